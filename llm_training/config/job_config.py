@@ -1,0 +1,195 @@
+"""The training job's configuration: one dataclass per TOML section, every key with a default and a doc.
+
+Each field is declared with `option(default, doc, choices=...)`; the doc string is what `--help`,
+`scripts/gen_config_docs.py` (-> docs/config.md) and the resolved-config dump show, and `choices` (for
+string fields, or the elements of list fields) is checked when the value is parsed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../llm_training
+ASSETS_DIR = PACKAGE_DIR / "data" / "assets"
+
+
+def option(default: Any, doc: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field: its default, its one-line doc and (optionally) the fixed set of allowed values."""
+    metadata = {"doc": doc}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class Job:
+    config_file: str = option("", "TOML file this config was loaded from (set with --job.config_file)")
+    dump_folder: str = option("./outputs", "root folder for run outputs: <dump_folder>/<run_name>/")
+    description: str = option("", "free-text description of the run, shown in logs")
+    print_config: bool = option(False, "print the resolved config as TOML and exit")
+    run_name: str = option("", "run folder name under dump_folder (empty: the config file's stem, or 'default')")
+
+
+@dataclass
+class Model:
+    flavor: str = option("motif3_debug", "model flavor from llm_training.motif.MODEL_FLAVORS")
+    tokenizer_path: str = option(str(ASSETS_DIR / "tokenizer"), "local HuggingFace tokenizer directory")
+    attention_backend: str = option(
+        "auto",
+        "attention kernel: auto picks the fastest available for the device",
+        choices=("auto", "reference", "sdpa", "flex", "varlen", "fa4"),
+    )
+
+
+@dataclass
+class Training:
+    dataset: str = option("huggingface", "dataset loader", choices=("huggingface",))
+    dataset_path: str = option(
+        str(ASSETS_DIR / "demo_chat.jsonl"), "local jsonl file or datasets save_to_disk directory"
+    )
+    local_batch_size: int = option(8, "sequences per data-parallel rank per micro-batch")
+    global_batch_size: int = option(
+        -1, "sequences per optimizer step over all ranks (-1: local_batch_size x dp); more gives grad accumulation"
+    )
+    seq_len: int = option(256, "tokens per sequence (packed); at most the flavor's max_seq_len")
+    steps: int = option(300, "number of optimizer steps")
+    max_norm: float = option(1.0, "gradient clipping max global L2 norm (0 disables clipping)")
+    seed: int = option(42, "random seed for model init and data order")
+    deterministic: bool = option(False, "use deterministic algorithms (slower; bitwise-reproducible where feasible)")
+    mtp_loss_weight: float = option(0.3, "weight of the multi-token-prediction loss added to the main loss")
+    mixed_precision_param: str = option(
+        "bfloat16", "dtype of parameters in forward/backward (FSDP2 param_dtype)", choices=("bfloat16", "float32")
+    )
+    mixed_precision_reduce: str = option(
+        "float32", "dtype of gradient reduction (FSDP2 reduce_dtype)", choices=("bfloat16", "float32")
+    )
+    max_consecutive_nonfinite: int = option(
+        3, "abort after this many consecutive steps with a non-finite loss or grad norm (those steps are skipped)"
+    )
+    device: str = option("auto", "device to train on (auto: cuda if available, else cpu)", choices=("auto", "cpu", "cuda"))
+
+
+@dataclass
+class HuggingFaceDataset:
+    split: str = option("train", "dataset split to read")
+    conversations_field: str = option("conversations", "record field holding the chat turns (a list of {role, content})")
+    shuffle: bool = option(True, "shuffle records before packing")
+    shuffle_seed: int = option(1234, "seed of the record shuffle")
+    streaming: bool = option(False, "stream records instead of loading the dataset into memory")
+    packing: str = option("pack", "pack several documents per row, or one padded document per row", choices=("pack", "pad"))
+    overlong: str = option("truncate", "what to do with documents longer than seq_len", choices=("truncate", "drop"))
+    bad_record_policy: str = option(
+        "skip", "malformed records: skip (counted, logged) or fail at once", choices=("skip", "fail")
+    )
+    max_bad_fraction: float = option(0.01, "fail when more than this fraction of records read so far was skipped")
+
+
+@dataclass
+class Optimizer:
+    name: str = option("muon", "muon (Muon for hidden matrices + AdamW for the rest) or adamw everywhere", choices=("muon", "adamw"))
+    lr: float = option(2e-3, "peak learning rate (Muon uses the Moonlight 0.2*sqrt(max(A,B)) scaling, so AdamW and Muon share it)")
+    weight_decay: float = option(0.1, "decoupled weight decay on matrices (not on norms, gains, biases)")
+    momentum: float = option(0.95, "Muon momentum")
+    nesterov: bool = option(True, "Nesterov momentum in Muon")
+    ns_steps: int = option(5, "Newton-Schulz iterations in Muon")
+    adamw_betas: list[float] = option([0.9, 0.95], "AdamW (beta1, beta2)")
+    adamw_eps: float = option(1e-8, "AdamW epsilon")
+    qk_clip_threshold: float = option(100.0, "QK-clip threshold tau on the max attention logit (0 disables)")
+    router_in_muon: bool = option(False, "optimize the MoE router gate with Muon instead of AdamW")
+    mhc_proj_in_muon: bool = option(False, "optimize the mHC projections with Muon instead of AdamW")
+    lambda_in_muon: bool = option(False, "optimize the GDLA lambda_proj with Muon instead of AdamW")
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = option(20, "linear warmup steps from 0 to the peak lr")
+    decay_type: str = option("cosine", "decay after warmup (wsd: constant, then linear decay)", choices=("cosine", "linear", "wsd"))
+    wsd_decay_ratio: float = option(0.2, "wsd only: fraction of the steps spent decaying at the end")
+    min_lr_factor: float = option(0.1, "final lr as a fraction of the peak lr")
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = option(1, "DDP/HSDP replicas (parameters replicated across them)")
+    data_parallel_shard_degree: int = option(-1, "FSDP2 shard degree (-1: world size / (replicate x context parallel))")
+    expert_parallel_degree: int = option(
+        1, "ranks the experts are split over; carved out of the dp_shard x context-parallel ranks"
+    )
+    context_parallel_degree: int = option(1, "ranks one sequence is split over (sequence/context parallel)")
+    context_parallel_mode: str = option("ulysses", "context parallel algorithm", choices=("ulysses", "ring"))
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = option(False, "save DCP checkpoints (and resume from the latest one in folder)")
+    folder: str = option("checkpoint", "checkpoint folder, relative to <dump_folder>/<run_name>/")
+    interval: int = option(100, "save every this many steps (also at the end and on SIGTERM)")
+    keep_latest_k: int = option(3, "keep only the newest k checkpoints (0 keeps all)")
+    async_mode: str = option("disabled", "save synchronously or in a background thread", choices=("disabled", "async"))
+    initial_load_path: str = option("", "weights to start from when no checkpoint of this run exists (empty: random init)")
+    initial_load_format: str = option("hf", "format of initial_load_path", choices=("hf", "dcp"))
+    export_dtype: str = option("bfloat16", "dtype of exported HF safetensors", choices=("bfloat16", "float32"))
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = option("none", "recompute activations in backward: none, every block, or selected ops", choices=("none", "full", "selective"))
+
+
+COMPILE_COMPONENTS = ("model", "loss")
+
+
+@dataclass
+class Compile:
+    enable: bool = option(False, "torch.compile the components listed in components")
+    components: list[str] = option(list(COMPILE_COMPONENTS), f"what to compile, from {', '.join(COMPILE_COMPONENTS)}", choices=COMPILE_COMPONENTS)
+
+
+@dataclass
+class Quantize:
+    mode: str = option(
+        "none",
+        "low-precision training of linears/experts (fp8_*: SM90+, mxfp8: SM100; mxfp8_emulated runs anywhere)",
+        choices=("none", "fp8_rowwise", "fp8_tensorwise", "mxfp8", "mxfp8_emulated"),
+    )
+
+
+@dataclass
+class Metrics:
+    log_freq: int = option(10, "log metrics every this many steps")
+    enable_wandb: bool = option(False, "log to Weights & Biases (WANDB_API_KEY / WANDB_PROJECT / WANDB_MODE from the environment)")
+    enable_tensorboard: bool = option(False, "write TensorBoard event files under <dump_folder>/<run_name>/tb")
+    save_jsonl: bool = option(True, "append metrics to <dump_folder>/<run_name>/metrics.jsonl")
+
+
+@dataclass
+class JobConfig:
+    """The whole job: one attribute per TOML section."""
+
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    huggingface_dataset: HuggingFaceDataset = field(default_factory=HuggingFaceDataset)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    quantize: Quantize = field(default_factory=Quantize)
+    metrics: Metrics = field(default_factory=Metrics)
+
+    @property
+    def run_folder(self) -> Path:
+        """<dump_folder>/<run_name>: where the resolved config, metrics and checkpoints of this run go."""
+        return Path(self.job.dump_folder) / self.job.run_name
+
+
+def section_classes() -> dict[str, type]:
+    """Section name -> its dataclass, in declaration order."""
+    return {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}  # type: ignore[misc]

@@ -1,0 +1,150 @@
+"""Cross-field checks of a JobConfig, run before any heavy work.
+
+`validate_config` needs only the config (called by ConfigManager.parse_args); `validate_for_world_size`
+also checks the parallel layout against the number of processes and is called by the entrypoint once
+WORLD_SIZE is known. Every message names the keys involved and how to fix them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from llm_training.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from llm_training.config.job_config import JobConfig
+    from llm_training.distributed.parallel_dims import ParallelDims
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate_config(c: "JobConfig") -> None:
+    """World-size-independent checks; raises ConfigError on the first problem found."""
+    from llm_training.motif import get_flavor
+
+    try:
+        flavor = get_flavor(c.model.flavor)
+    except KeyError as e:
+        raise ConfigError(str(e.args[0])) from None
+
+    t, p = c.training, c.parallelism
+    _require(t.local_batch_size >= 1, f"[training] local_batch_size must be >= 1, got {t.local_batch_size}")
+    _require(t.steps >= 1, f"[training] steps must be >= 1, got {t.steps}")
+    _require(t.seq_len >= 2, f"[training] seq_len must be >= 2, got {t.seq_len}")
+    _require(
+        t.seq_len <= flavor.max_seq_len,
+        f"[training] seq_len = {t.seq_len} exceeds the max_seq_len {flavor.max_seq_len} of flavor "
+        f"{c.model.flavor!r}; lower seq_len or pick a longer-context flavor (e.g. motif3_seq_256k_mtp1_sft)",
+    )
+    _require(
+        t.global_batch_size == -1 or t.global_batch_size >= 1,
+        f"[training] global_batch_size must be -1 (local_batch_size x dp) or >= 1, got {t.global_batch_size}",
+    )
+    _require(
+        t.global_batch_size == -1 or t.global_batch_size % t.local_batch_size == 0,
+        f"[training] global_batch_size = {t.global_batch_size} is not a multiple of local_batch_size = "
+        f"{t.local_batch_size}; set global_batch_size to local_batch_size x dp x accumulation steps (or -1)",
+    )
+    _require(t.max_norm >= 0, f"[training] max_norm must be >= 0 (0 disables clipping), got {t.max_norm}")
+    _require(t.mtp_loss_weight >= 0, f"[training] mtp_loss_weight must be >= 0, got {t.mtp_loss_weight}")
+    _require(
+        t.max_consecutive_nonfinite >= 1,
+        f"[training] max_consecutive_nonfinite must be >= 1, got {t.max_consecutive_nonfinite}",
+    )
+    if t.device == "cpu":
+        _require(
+            c.quantize.mode in ("none", "mxfp8_emulated"),
+            f"[quantize] mode = {c.quantize.mode!r} needs a CUDA GPU but [training] device = 'cpu'; "
+            f"use mode = 'none' or 'mxfp8_emulated' on CPU",
+        )
+        _require(
+            c.model.attention_backend in ("auto", "reference", "sdpa", "flex"),
+            f"[model] attention_backend = {c.model.attention_backend!r} needs a CUDA GPU but [training] device = "
+            f"'cpu'; use 'auto', 'reference', 'sdpa' or 'flex' on CPU",
+        )
+
+    hf = c.huggingface_dataset
+    _require(0.0 <= hf.max_bad_fraction <= 1.0, f"[huggingface_dataset] max_bad_fraction must be in [0, 1], got {hf.max_bad_fraction}")
+
+    o = c.optimizer
+    _require(o.lr > 0, f"[optimizer] lr must be > 0, got {o.lr}")
+    _require(o.weight_decay >= 0, f"[optimizer] weight_decay must be >= 0, got {o.weight_decay}")
+    _require(0 <= o.momentum < 1, f"[optimizer] momentum must be in [0, 1), got {o.momentum}")
+    _require(o.ns_steps >= 1, f"[optimizer] ns_steps must be >= 1, got {o.ns_steps}")
+    _require(
+        len(o.adamw_betas) == 2 and all(0 <= b < 1 for b in o.adamw_betas),
+        f"[optimizer] adamw_betas must be two numbers in [0, 1), e.g. [0.9, 0.95]; got {o.adamw_betas}",
+    )
+    _require(o.adamw_eps > 0, f"[optimizer] adamw_eps must be > 0, got {o.adamw_eps}")
+    _require(o.qk_clip_threshold >= 0, f"[optimizer] qk_clip_threshold must be >= 0 (0 disables), got {o.qk_clip_threshold}")
+
+    s = c.lr_scheduler
+    _require(s.warmup_steps >= 0, f"[lr_scheduler] warmup_steps must be >= 0, got {s.warmup_steps}")
+    _require(
+        s.warmup_steps <= t.steps,
+        f"[lr_scheduler] warmup_steps = {s.warmup_steps} exceeds [training] steps = {t.steps}; "
+        f"lower warmup_steps or raise steps",
+    )
+    _require(0 < s.wsd_decay_ratio <= 1, f"[lr_scheduler] wsd_decay_ratio must be in (0, 1], got {s.wsd_decay_ratio}")
+    _require(0 <= s.min_lr_factor <= 1, f"[lr_scheduler] min_lr_factor must be in [0, 1], got {s.min_lr_factor}")
+
+    _require(p.data_parallel_replicate_degree >= 1, f"[parallelism] data_parallel_replicate_degree must be >= 1, got {p.data_parallel_replicate_degree}")
+    _require(
+        p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
+        f"[parallelism] data_parallel_shard_degree must be -1 (the rest) or >= 1, got {p.data_parallel_shard_degree}",
+    )
+    _require(p.expert_parallel_degree >= 1, f"[parallelism] expert_parallel_degree must be >= 1, got {p.expert_parallel_degree}")
+    _require(p.context_parallel_degree >= 1, f"[parallelism] context_parallel_degree must be >= 1, got {p.context_parallel_degree}")
+    cp = p.context_parallel_degree
+    _require(
+        t.seq_len % cp == 0,
+        f"[training] seq_len = {t.seq_len} is not divisible by [parallelism] context_parallel_degree = {cp}; "
+        f"make seq_len a multiple of {cp}",
+    )
+    if p.context_parallel_mode == "ulysses":
+        _require(
+            flavor.num_attention_heads % cp == 0,
+            f"[parallelism] context_parallel_mode = 'ulysses' splits attention heads over ranks: the "
+            f"{flavor.num_attention_heads} heads of {c.model.flavor!r} are not divisible by context_parallel_degree "
+            f"= {cp}; pick a degree dividing {flavor.num_attention_heads} or use context_parallel_mode = 'ring'",
+        )
+    ep = p.expert_parallel_degree
+    _require(
+        flavor.num_experts % ep == 0,
+        f"[parallelism] expert_parallel_degree = {ep} does not divide the {flavor.num_experts} experts of "
+        f"{c.model.flavor!r}; pick a divisor of {flavor.num_experts}",
+    )
+
+    ck = c.checkpoint
+    _require(ck.interval >= 1, f"[checkpoint] interval must be >= 1, got {ck.interval}")
+    _require(ck.keep_latest_k >= 0, f"[checkpoint] keep_latest_k must be >= 0 (0 keeps all), got {ck.keep_latest_k}")
+    _require(c.metrics.log_freq >= 1, f"[metrics] log_freq must be >= 1, got {c.metrics.log_freq}")
+    _require(
+        c.job.run_name not in ("", ".", "..") and "/" not in c.job.run_name and "\\" not in c.job.run_name,
+        f"[job] run_name {c.job.run_name!r} must be a plain folder name (no path separators)",
+    )
+
+
+def validate_for_world_size(c: "JobConfig", world_size: int) -> "ParallelDims":
+    """Check the parallel layout and batch sizes against `world_size` processes; returns the ParallelDims."""
+    from llm_training.distributed.parallel_dims import ParallelDims
+
+    dims = ParallelDims.from_config(c.parallelism, world_size)
+    t = c.training
+    per_step = t.local_batch_size * dims.dp_size
+    _require(
+        t.global_batch_size == -1 or t.global_batch_size % per_step == 0,
+        f"[training] global_batch_size = {t.global_batch_size} is not divisible by local_batch_size x dp = "
+        f"{t.local_batch_size} x {dims.dp_size} = {per_step} (world size {world_size}); set it to a multiple of "
+        f"{per_step} (the quotient is the number of gradient-accumulation steps) or to -1",
+    )
+    return dims
+
+
+def grad_accumulation_steps(c: "JobConfig", dp_size: int) -> int:
+    """Micro-batches per optimizer step: global_batch_size / (local_batch_size x dp), 1 when it is -1."""
+    t = c.training
+    return 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dp_size)

@@ -1,0 +1,100 @@
+"""GDLA: Grouped Differential Latent Attention (model-spec §2.4, §0.1).
+
+MLA-style Q-LoRA / KV-LoRA with a decoupled RoPE key, GQA-shaped K/V, and a grouped differential
+combination: query heads come in groups of [r signal + 1 noise] (r = args.signal_per_noise); query head h
+uses KV head h // (n_h / n_kv); per group, out_signal_j - lambda_j * out_noise with a per-token,
+per-signal-head lambda = sigmoid(x W_lambda^T) computed in fp32; then an element-wise output gate
+sigmoid(wq_b_gate(c_Q)) and `wo` from n_sig * d_v. No per-head norm after the subtraction.
+
+The softmax kernel is pluggable (`attention_backends.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llm_training.layers.attention_backends import get_attention_backend
+from llm_training.layers.norms import RMSNorm
+from llm_training.layers.rope import RotaryEmbedding, apply_rope_interleaved
+
+
+class GDLAttention(nn.Module):
+    """One GDLA layer. `sliding` selects the window (args.sliding_window) vs causal full attention; the
+    caller passes the matching RoPE table and softmax scale (args.softmax_scale for the trunk)."""
+
+    def __init__(self, args, *, sliding: bool, softmax_scale: float, rope: RotaryEmbedding,
+                 attention_backend: str = "auto"):
+        super().__init__()
+        H = args.hidden_size
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.n_noise, self.r = args.num_noise_heads, args.signal_per_noise
+        self.n_sig = args.num_signal_heads
+        self.d_nope, self.d_rope, self.d_v = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.kv_lora_rank = args.kv_lora_rank
+        self.window: Optional[int] = args.sliding_window if sliding else None
+        self.softmax_scale = softmax_scale
+        self.rope = rope
+        self.kernel = get_attention_backend(attention_backend)
+        self.init_std, self.lambda_init, self.gate_init = args.initializer_range, args.lambda_init, args.gate_init
+        self.record_max_logits = False
+        self.max_logits: Optional[torch.Tensor] = None  # [n_h] fp32 after a recording forward
+
+        self.wq_a = nn.Linear(H, args.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * (self.d_nope + self.d_rope), bias=False)
+        self.wq_b_gate = (
+            nn.Linear(args.q_lora_rank, self.n_sig * self.d_v, bias=False)
+            if args.elementwise_attn_output_gate else None
+        )
+        self.wkv_a = nn.Linear(H, self.kv_lora_rank + self.d_rope, bias=False)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, args.rms_norm_eps)
+        self.wkv_b = nn.Linear(self.kv_lora_rank, self.n_kv_heads * (self.d_nope + self.d_v), bias=False)
+        self.lambda_proj = nn.Linear(H, self.n_sig, bias=False)
+        self.wo = nn.Linear(self.n_sig * self.d_v, H, bias=False)
+
+    def init_weights(self) -> None:
+        for linear in (self.wq_a, self.wq_b, self.wkv_a, self.wkv_b, self.wo):
+            nn.init.normal_(linear.weight, mean=0.0, std=self.init_std)
+        self.q_norm.init_weights()
+        self.kv_norm.init_weights()
+        for linear, how in ((self.lambda_proj, self.lambda_init), (self.wq_b_gate, self.gate_init)):
+            if linear is None:
+                continue
+            if how == "zeros":
+                nn.init.zeros_(linear.weight)
+            else:
+                nn.init.normal_(linear.weight, mean=0.0, std=self.init_std)
+
+    def forward(self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor,
+                document_ids_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
+        B, S, _ = x_BSH.shape
+        cos, sin = self.rope.cos_sin(position_ids_BS)
+
+        c_q = self.q_norm(self.wq_a(x_BSH))  # [B, S, q_lora]
+        q = self.wq_b(c_q).view(B, S, self.n_heads, self.d_nope + self.d_rope)
+        q_nope, q_pe = q.split([self.d_nope, self.d_rope], dim=-1)
+        q = torch.cat([q_nope, apply_rope_interleaved(q_pe, cos, sin)], dim=-1)
+
+        kv_latent, k_pe = self.wkv_a(x_BSH).split([self.kv_lora_rank, self.d_rope], dim=-1)
+        kv = self.wkv_b(self.kv_norm(kv_latent)).view(B, S, self.n_kv_heads, self.d_nope + self.d_v)
+        k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)
+        k_pe = apply_rope_interleaved(k_pe.unsqueeze(2), cos, sin)  # one shared rope head
+        k = torch.cat([k_nope, k_pe.expand(B, S, self.n_kv_heads, self.d_rope)], dim=-1)
+
+        out, max_logits = self.kernel(q, k, v.contiguous(), scale=self.softmax_scale, window=self.window,
+                                      document_ids=document_ids_BS, record_max_logits=self.record_max_logits)
+        self.max_logits = max_logits.detach().float() if max_logits is not None else None
+
+        # Grouped differential combination: [S, n_noise, r + 1, d_v] -> signal - lambda * noise.
+        out = out.view(B, S, self.n_noise, self.r + 1, self.d_v)
+        signal, noise = out[:, :, :, : self.r], out[:, :, :, self.r :]
+        lam = torch.sigmoid(F.linear(x_BSH.float(), self.lambda_proj.weight.float()))  # fp32 [B, S, n_sig]
+        y = signal - lam.view(B, S, self.n_noise, self.r, 1) * noise  # fp32 (lambda promotes)
+        if self.wq_b_gate is not None:
+            gate = torch.sigmoid(self.wq_b_gate(c_q).float()).view(B, S, self.n_noise, self.r, self.d_v)
+            y = y * gate
+        return self.wo(y.reshape(B, S, self.n_sig * self.d_v).to(x_BSH.dtype))

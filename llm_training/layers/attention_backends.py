@@ -1,0 +1,191 @@
+"""Attention kernels behind one interface, and the registry keyed by `[model] attention_backend`.
+
+Every kernel has the signature
+
+    kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, record_max_logits)
+        -> (out_BSHE, max_logits_H or None)
+
+q: [B, S, Hq, Dqk]; k: [B, S, Hkv, Dqk]; v: [B, S, Hkv, Dv] with Hq a multiple of Hkv (query head h uses
+KV head h // (Hq / Hkv)). Attention is causal; with `window = W` key j is visible to query i iff
+i - W <= j <= i (W + 1 keys including self); with `document_ids` [B, S], a key is visible only inside the
+query's document. `max_logits` is the fp32 per-query-head max over batch and positions of the scaled
+pre-softmax logit q.k * scale over visible pairs (for QK-clip), or None when not requested.
+
+Adding a backend = one function with that signature + one entry in `ATTENTION_BACKENDS`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+AttentionKernel = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+# ---------------------------------------------------------------------------------------- masks
+def visibility_mask(
+    q_len: int, k_len: int, device: torch.device, *, q_offset: int = 0, window: Optional[int],
+    document_ids_BS: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """Boolean [B or 1, 1, q_len, k_len] mask, True = visible, for queries q_offset.. and keys 0..k_len."""
+    qi = torch.arange(q_offset, q_offset + q_len, device=device)[:, None]
+    kj = torch.arange(k_len, device=device)[None, :]
+    mask = kj <= qi
+    if window is not None:
+        mask = mask & (kj >= qi - window)
+    mask = mask[None, None]
+    if document_ids_BS is not None:
+        dq = document_ids_BS[:, q_offset : q_offset + q_len]
+        mask = mask & (dq[:, None, :, None] == document_ids_BS[:, None, None, :k_len])
+    return mask
+
+
+def _repeat_kv(x_BSKD: torch.Tensor, n_rep: int) -> torch.Tensor:
+    return x_BSKD if n_rep == 1 else x_BSKD.repeat_interleave(n_rep, dim=2)
+
+
+@torch.no_grad()
+def chunked_max_logits(
+    q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, *, scale: float, window: Optional[int],
+    document_ids: Optional[torch.Tensor], chunk_elems: int = 1 << 26,
+) -> torch.Tensor:
+    """Per-query-head max of the scaled logits over visible pairs, in query chunks (never all of
+    [B, H, S, S] at once; with a window only the keys in [i0 - W, i1] are scored). fp32 [Hq]."""
+    B, S, Hq, _ = q_BSHD.shape
+    n_rep = Hq // k_BSKD.shape[2]
+    k_BHSD = _repeat_kv(k_BSKD, n_rep).transpose(1, 2)
+    q_BHSD = q_BSHD.transpose(1, 2)
+    chunk = max(1, min(S, chunk_elems // max(1, B * Hq * (S if window is None else window + 1))))
+    best = torch.full((Hq,), float("-inf"), device=q_BSHD.device, dtype=torch.float32)
+    for i0 in range(0, S, chunk):
+        i1 = min(S, i0 + chunk)
+        j0 = 0 if window is None else max(0, i0 - window)
+        logits = (q_BHSD[:, :, i0:i1] @ k_BHSD[:, :, j0:i1].transpose(-1, -2)).float() * scale
+        mask = visibility_mask(i1 - i0, i1 - j0, q_BSHD.device, q_offset=i0 - j0, window=window,
+                               document_ids_BS=None if document_ids is None else document_ids[:, j0:i1])
+        logits = logits.masked_fill(~mask, float("-inf"))
+        best = torch.maximum(best, logits.amax(dim=(0, 2, 3)))
+    return best
+
+
+# ---------------------------------------------------------------------------------------- kernels
+def reference_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, record_max_logits):
+    """Explicit-mask softmax attention in fp32 (CPU or GPU); the ground truth for the other kernels."""
+    Hq, Hkv = q_BSHD.shape[2], k_BSKD.shape[2]
+    q = q_BSHD.float().transpose(1, 2)
+    k = _repeat_kv(k_BSKD, Hq // Hkv).float().transpose(1, 2)
+    v = _repeat_kv(v_BSKE, Hq // Hkv).float().transpose(1, 2)
+    S = q.shape[2]
+    mask = visibility_mask(S, S, q.device, window=window, document_ids_BS=document_ids)
+    logits = (q @ k.transpose(-1, -2)) * scale
+    logits = logits.masked_fill(~mask, float("-inf"))
+    max_logits = logits.detach().amax(dim=(0, 2, 3)) if record_max_logits else None
+    out = torch.softmax(logits, dim=-1) @ v
+    return out.transpose(1, 2).to(q_BSHD.dtype), max_logits
+
+
+def _sdpa_backend_order():
+    """On CUDA put cuDNN first: torch's default order (flash, efficient, math, cuDNN) has no flash or
+    efficient kernel for qk 192 / v 128 and would land on the math kernel (model-spec dependencies.md)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+             SDPBackend.MATH]
+    return sdpa_kernel(order, set_priority=True)
+
+
+def sdpa_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, record_max_logits):
+    """torch SDPA: `is_causal` when there is neither a window nor documents (cuDNN first on GPU),
+    else an explicit boolean mask. GQA through `enable_gqa` (torch >= 2.5; our floor is 2.11)."""
+    q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKE))
+    mask = None
+    if window is not None or document_ids is not None:
+        mask = visibility_mask(q.shape[2], q.shape[2], q.device, window=window, document_ids_BS=document_ids)
+    with (_sdpa_backend_order() if q.is_cuda else contextlib.nullcontext()):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                             enable_gqa=True)
+    max_logits = None
+    if record_max_logits:
+        max_logits = chunked_max_logits(q_BSHD, k_BSKD, scale=scale, window=window, document_ids=document_ids)
+    return out.transpose(1, 2), max_logits
+
+
+# FlexAttention: block masks are cached for the current `document_ids` tensor (one per window / shape), so
+# the ~50 layers of one forward share them; a new document_ids tensor drops the old masks. The cache holds a
+# reference to the tensor, so the identity test is reliable.
+_flex_mask_cache: dict = {"document_ids": None, "masks": {}}
+_compiled_flex = None
+
+
+def _flex_block_mask(document_ids, window, B, S, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if _flex_mask_cache["document_ids"] is not document_ids:
+        _flex_mask_cache["document_ids"], _flex_mask_cache["masks"] = document_ids, {}
+    key = (window, B, S, device)
+    if key in _flex_mask_cache["masks"]:
+        return _flex_mask_cache["masks"][key]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        visible = kv_idx <= q_idx
+        if window is not None:
+            visible = visible & (kv_idx >= q_idx - window)
+        if document_ids is not None:
+            visible = visible & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+        return visible
+
+    block_mask = create_block_mask(mask_mod, B if document_ids is not None else None, None, S, S, device=device)
+    _flex_mask_cache["masks"][key] = block_mask
+    return block_mask
+
+
+def flex_attention_kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, record_max_logits):
+    """FlexAttention with a causal + sliding-window + document block mask (compiled on CUDA)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    B, S = q_BSHD.shape[:2]
+    block_mask = _flex_block_mask(document_ids, window, B, S, q_BSHD.device)
+    fn = flex_attention
+    if q_BSHD.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        fn = _compiled_flex
+    q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKE))
+    out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+    max_logits = None
+    if record_max_logits:
+        max_logits = chunked_max_logits(q_BSHD, k_BSKD, scale=scale, window=window, document_ids=document_ids)
+    return out.transpose(1, 2), max_logits
+
+
+def auto_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, record_max_logits):
+    """CUDA with a window or documents -> FlexAttention (SDPA would fall back to its math kernel for
+    qk 192 / v 128 with a mask); otherwise SDPA (cuDNN for plain causal on GPU; CPU kernels on CPU)."""
+    if q_BSHD.is_cuda and (window is not None or document_ids is not None):
+        return flex_attention_kernel(q_BSHD, k_BSKD, v_BSKE, scale=scale, window=window,
+                                     document_ids=document_ids, record_max_logits=record_max_logits)
+    return sdpa_attention(q_BSHD, k_BSKD, v_BSKE, scale=scale, window=window, document_ids=document_ids,
+                          record_max_logits=record_max_logits)
+
+
+ATTENTION_BACKENDS: dict[str, AttentionKernel] = {
+    "reference": reference_attention,
+    "sdpa": sdpa_attention,
+    "flex": flex_attention_kernel,
+    "auto": auto_attention,
+}
+
+
+def get_attention_backend(name: str) -> AttentionKernel:
+    """Look up a kernel by its `[model] attention_backend` name; the error lists what exists."""
+    try:
+        return ATTENTION_BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention_backend {name!r}; available: {', '.join(sorted(ATTENTION_BACKENDS))} "
+            "(set [model] attention_backend)"
+        ) from None

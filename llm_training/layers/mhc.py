@@ -1,0 +1,101 @@
+"""mHC: manifold-constrained hyper-connections around one sub-layer (model-spec §4.2 with the §0.1
+corrections).
+
+The residual is n streams, stored as one tensor X [B, S, n, H]. Per token:
+    x~     = RMSNorm_gamma(vec(X))                     (over all n*H values, eps = mhc_eps), fp32
+    p, q, R = proj_pre(x~), proj_post(x~), proj_res(x~)   (bias-free; R viewed [n, n])
+    h_pre  = sigmoid(clamp(alpha_pre * p + bias_pre, +-10))
+    h_post = c_post * sigmoid(clamp(alpha_post * q + bias_post, +-10)),   c_post = 1 + alpha_sched
+    H_res  = Sinkhorn(alpha_res * R + bias_res)        (exp of the input clamped to +-20; rows then columns)
+    sub-layer input = norm(sum_i h_pre[i] X[i])        (the block's own input/post-attention RMSNorm)
+    X'[i]  = sum_j H_res[i, j] X[j] + h_post[i] * y    (fp32, cast back to X's dtype)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llm_training.layers.norms import RMSNorm
+
+_SIGMOID_ARG_CLAMP = 10.0
+_SINKHORN_EXP_CLAMP = 20.0
+_SINKHORN_FLOOR = 1e-8
+
+
+def sinkhorn(logits_NN: torch.Tensor, iters: int) -> torch.Tensor:
+    """exp(clamp(Z, +-20)) then `iters` x {divide rows by max(rowsum, 1e-8); same for columns}, fp32."""
+    m = torch.exp(logits_NN.float().clamp(-_SINKHORN_EXP_CLAMP, _SINKHORN_EXP_CLAMP))
+    for _ in range(iters):
+        m = m / m.sum(dim=-1, keepdim=True).clamp_min(_SINKHORN_FLOOR)
+        m = m / m.sum(dim=-2, keepdim=True).clamp_min(_SINKHORN_FLOOR)
+    return m
+
+
+class MHC(nn.Module):
+    """Coefficients (h_pre, h_post, H_res) from the streams, the collapse, and the stream update."""
+
+    def __init__(self, hidden_size: int, n_streams: int, sinkhorn_iters: int, eps: float, identity_init: bool,
+                 h_post_alpha: float):
+        super().__init__()
+        n, nh = n_streams, n_streams * hidden_size
+        self.n, self.sinkhorn_iters, self.identity_init = n, sinkhorn_iters, identity_init
+        self.h_post_alpha = h_post_alpha  # c_post = 1 + h_post_alpha; the trainer schedules it
+        self.norm = RMSNorm(nh, eps)
+        self.proj_pre = nn.Linear(nh, n, bias=False)
+        self.proj_post = nn.Linear(nh, n, bias=False)
+        self.proj_res = nn.Linear(nh, n * n, bias=False)
+        self.alpha_pre = nn.Parameter(torch.empty((), dtype=torch.float32))
+        self.alpha_post = nn.Parameter(torch.empty((), dtype=torch.float32))
+        self.alpha_res = nn.Parameter(torch.empty((), dtype=torch.float32))
+        self.bias_pre = nn.Parameter(torch.empty(n, dtype=torch.float32))
+        self.bias_post = nn.Parameter(torch.empty(n, dtype=torch.float32))
+        self.bias_res = nn.Parameter(torch.empty(n, n, dtype=torch.float32))
+
+    def init_weights(self) -> None:
+        """identity_init False (published): alpha ~ N(0, 0.1^2), projections xavier-uniform, b_pre = b_post = 0,
+        b_res ~ N(0, 0.1^2). True: alpha = 0, b_pre = logit(1/n), b_post = 0, b_res = -10 off the diagonal
+        and 0 on it (H_res ~ I, collapse = mean); projections xavier-uniform either way (alpha = 0 mutes them)."""
+        self.norm.init_weights()
+        for proj in (self.proj_pre, self.proj_post, self.proj_res):
+            nn.init.xavier_uniform_(proj.weight)
+        with torch.no_grad():
+            if self.identity_init:
+                for a in (self.alpha_pre, self.alpha_post, self.alpha_res):
+                    a.zero_()
+                self.bias_pre.fill_(math.log((1.0 / self.n) / (1.0 - 1.0 / self.n)))
+                self.bias_post.zero_()
+                self.bias_res.fill_(-10.0).fill_diagonal_(0.0)
+            else:
+                for a in (self.alpha_pre, self.alpha_post, self.alpha_res):
+                    a.normal_(0.0, 0.1)
+                self.bias_pre.zero_()
+                self.bias_post.zero_()
+                self.bias_res.normal_(0.0, 0.1)
+
+    def coefficients(self, x_BSnH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h_pre [B, S, n], h_post [B, S, n], H_res [B, S, n, n], all fp32."""
+        flat = self.norm(x_BSnH.flatten(-2).float())  # fp32 [B, S, nH]
+        p = F.linear(flat, self.proj_pre.weight.float())
+        q = F.linear(flat, self.proj_post.weight.float())
+        r = F.linear(flat, self.proj_res.weight.float()).unflatten(-1, (self.n, self.n))
+        c = _SIGMOID_ARG_CLAMP
+        h_pre = torch.sigmoid((self.alpha_pre * p + self.bias_pre).clamp(-c, c))
+        h_post = (1.0 + self.h_post_alpha) * torch.sigmoid((self.alpha_post * q + self.bias_post).clamp(-c, c))
+        h_res = sinkhorn(self.alpha_res * r + self.bias_res, self.sinkhorn_iters)
+        return h_pre, h_post, h_res
+
+    @staticmethod
+    def collapse(x_BSnH: torch.Tensor, h_pre_BSn: torch.Tensor) -> torch.Tensor:
+        """sum_i h_pre[i] X[i] in fp32, returned in X's dtype: [B, S, H]."""
+        return torch.einsum("bsn,bsnh->bsh", h_pre_BSn, x_BSnH.float()).to(x_BSnH.dtype)
+
+    @staticmethod
+    def update(x_BSnH: torch.Tensor, h_res_BSnn: torch.Tensor, h_post_BSn: torch.Tensor,
+               y_BSH: torch.Tensor) -> torch.Tensor:
+        """X'[i] = sum_j H_res[i, j] X[j] + h_post[i] y, fp32 inside, X's dtype out."""
+        mixed = torch.einsum("bsij,bsjh->bsih", h_res_BSnn, x_BSnH.float())
+        return (mixed + h_post_BSn.unsqueeze(-1) * y_BSH.float().unsqueeze(-2)).to(x_BSnH.dtype)

@@ -1,0 +1,246 @@
+"""Mixture of experts (model-spec §6, §0.1): token-choice router with an aux-loss-free expert bias,
+stacked routed experts run with `torch._grouped_mm` (per-expert loop fallback), one shared expert, an
+optional sequence-wise balance loss, and the expert-bias update rule.
+
+Router: fp32 logits u . e_i; scores s = sigmoid (or softmax over E); the top-k is chosen on s + expert_bias
+(selection only); weights = selected s, renormalised s / (sum + 1e-20) when route_norm, times route_scale,
+multiplied onto the expert OUTPUTS (or inputs when score_before_experts). Weighted outputs are combined in
+fp32 and cast back.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llm_training.layers.ffn import FeedForward
+from llm_training.layers.norms import GroupedPolyNorm
+
+
+class RouterStats(NamedTuple):
+    """Per MoE layer and forward: local token counts per expert (float32 [E], detached) and the
+    sequence-wise balance loss (already times router_aux_loss_coef; None when the coefficient is 0)."""
+
+    tokens_per_expert: torch.Tensor
+    balance_loss: Optional[torch.Tensor]
+
+
+class TokenChoiceRouter(nn.Module):
+    """`gate` [E, H] fp32; returns routing weights [T, K] fp32, expert ids [T, K] and all scores [T, E]."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.top_k, self.score_func = args.experts_top_k, args.score_func
+        self.route_norm, self.route_scale = args.route_norm, args.route_scale
+        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.normal_(self.gate.weight, mean=0.0, std=init_std)
+
+    def forward(self, x_TH: torch.Tensor, expert_bias_E: torch.Tensor):
+        logits = F.linear(x_TH.float(), self.gate.weight.float())  # fp32 [T, E]
+        scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
+        _, expert_ids = torch.topk(scores.detach() + expert_bias_E, self.top_k, dim=-1)  # bias: selection only
+        weights = scores.gather(-1, expert_ids)
+        if self.route_norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.route_scale, expert_ids, scores
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (torch._grouped_mm's CPU backward
+    rejects the stride-0 gradients that e.g. `.sum()` produces)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def grouped_mm_supported(x_NK: torch.Tensor, *weights_EOK: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm(x, w.transpose(-2, -1))` runs for these operands: present in this torch;
+    on CUDA only bf16 on SM90+; every non-unit stride a multiple of 16 bytes (the kernel's alignment rule)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x_NK.is_cuda:
+        if x_NK.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x_NK.device)[0] < 9:
+            return False
+    elif x_NK.device.type != "cpu":
+        return False
+    if any(w.dtype != x_NK.dtype for w in weights_EOK):
+        return False
+    for t in (x_NK, *(w.transpose(-2, -1) for w in weights_EOK)):
+        if any(st != 1 and (st * t.element_size()) % 16 for st in t.stride()):
+            return False
+    return True
+
+
+def pad_token_groups(x_NH: torch.Tensor, counts_E: torch.Tensor, multiple: int):
+    """Copy expert-sorted rows into a zero buffer where every expert's group starts at a multiple of
+    `multiple` rows. Returns (padded rows [N + E*(multiple-1), H], padded counts [E], index of each
+    original row in the padded buffer [N]). No host sync: every size is static."""
+    N, E = x_NH.shape[0], counts_E.shape[0]
+    counts = counts_E.long()
+    padded = (counts + multiple - 1) // multiple * multiple
+    start = torch.cumsum(counts, 0) - counts
+    start_padded = torch.cumsum(padded, 0) - padded
+    expert_of_row = torch.repeat_interleave(torch.arange(E, device=x_NH.device), counts, output_size=N)
+    rows = torch.arange(N, device=x_NH.device) - start[expert_of_row] + start_padded[expert_of_row]
+    buf = x_NH.new_zeros(N + E * (multiple - 1), x_NH.shape[1])
+    return buf.index_copy(0, rows, x_NH), padded, rows
+
+
+class GroupedExperts(nn.Module):
+    """Routed experts stacked: gate_up_proj [E, 2I, H] (gate half first), down_proj [E, H, I], and a
+    per-expert PolyNorm act_fn (weight [E, 3], bias [E, 1], bias clamped to +-polynorm_bias_clamp)."""
+
+    def __init__(self, args):
+        super().__init__()
+        E, H, I = args.num_experts, args.hidden_size, args.moe_intermediate_size
+        self.num_experts, self.intermediate_size, self.hidden_clamp = E, I, args.hidden_clamp
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+        self.act_fn = GroupedPolyNorm(E, args.polynorm_init_weight, args.polynorm_eps, args.polynorm_sigmoid_weight,
+                                      args.polynorm_output_scale, args.polynorm_bias_clamp)
+        self.use_grouped_mm = True  # falls back to the loop by itself when grouped_mm cannot run
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.normal_(self.gate_up_proj, mean=0.0, std=init_std)
+        nn.init.normal_(self.down_proj, mean=0.0, std=init_std)
+        self.act_fn.init_weights()
+
+    def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor,
+                group_multiple: Optional[int] = None) -> torch.Tensor:
+        """x_NH: rows sorted by expert, expert e owning tokens_per_expert[e] consecutive rows.
+
+        On the grouped-GEMM path each expert's row group is padded with zero rows to a multiple of
+        `group_multiple` (default: 16 bytes of rows, i.e. 8 for bf16 on CUDA, where the weight-gradient
+        GEMM slices the token dim; 1 on CPU); padded rows are dropped from the result.
+        """
+        gate_up_w, down_w = self.gate_up_proj, self.down_proj
+        grouped = self.use_grouped_mm and grouped_mm_supported(x_NH, gate_up_w, down_w)
+        if group_multiple is None:
+            group_multiple = max(1, 16 // x_NH.element_size()) if (grouped and x_NH.is_cuda) else 1
+        rows = None
+        counts = tokens_per_expert_E
+        if group_multiple > 1:
+            x_NH, counts, rows = pad_token_groups(x_NH, tokens_per_expert_E, group_multiple)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        matmul = self._grouped_matmul if grouped else self._looped_matmul
+        gate_up = matmul(x_NH, gate_up_w, offs, counts)
+        c = self.hidden_clamp
+        gate, up = gate_up.clamp(-c, c).split(self.intermediate_size, dim=-1)
+        h = self.act_fn(gate, up, offs)
+        out = matmul(h, down_w, offs, counts)
+        return out if rows is None else out[rows]
+
+    @staticmethod
+    def _grouped_matmul(x_NK, w_EOK, offs, counts):
+        return _ContiguousGrad.apply(torch._grouped_mm(x_NK, w_EOK.transpose(-2, -1), offs=offs))
+
+    @staticmethod
+    def _looped_matmul(x_NK, w_EOK, offs, counts):
+        # counts go to the host once per call: the price of the fallback path. Rows past the last group
+        # (padding) give 0, as with torch._grouped_mm.
+        sizes = counts.tolist()
+        chunks = x_NK[: sum(sizes)].split(sizes, dim=0)
+        outs = [F.linear(chunk, w_EOK[e]) for e, chunk in enumerate(chunks)]
+        outs.append(x_NK.new_zeros(x_NK.shape[0] - sum(sizes), w_EOK.shape[1]))
+        return torch.cat(outs, dim=0)
+
+
+class MoE(nn.Module):
+    """Router + expert_bias buffer + routed experts + shared expert(s). forward -> (out, RouterStats)."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.num_experts, self.top_k = args.num_experts, args.experts_top_k
+        self.score_before_experts = args.score_before_experts
+        self.aux_loss_coef = args.router_aux_loss_coef
+        self.router = TokenChoiceRouter(args)
+        self.register_buffer("expert_bias", torch.empty(args.num_experts, dtype=torch.float32), persistent=True)
+        self.experts = GroupedExperts(args)
+        self.shared_experts = (
+            FeedForward(args.hidden_size, args.moe_intermediate_size * args.num_shared_experts, args)
+            if args.num_shared_experts > 0 else None
+        )
+
+    def init_weights(self, init_std: float, buffer_device: Optional[torch.device] = None) -> None:
+        self.router.init_weights(init_std)
+        self.experts.init_weights(init_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init_std)
+        if buffer_device is not None and self.expert_bias.device != torch.device(buffer_device):
+            self.expert_bias = torch.zeros(self.num_experts, dtype=torch.float32, device=buffer_device)
+        else:
+            with torch.no_grad():
+                self.expert_bias.zero_()
+
+    def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+        B, S, H = x_BSH.shape
+        x_TH = x_BSH.reshape(-1, H)
+        weights_TK, expert_ids_TK, scores_TE = self.router(x_TH, self.expert_bias)
+
+        flat_ids = expert_ids_TK.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert, token order kept inside
+        token_of_row = order // self.top_k
+        tokens_per_expert = torch.bincount(flat_ids, minlength=self.num_experts)
+        x_rows = x_TH[token_of_row]
+        row_weight = weights_TK.reshape(-1)[order]  # fp32 [T*K]
+        if self.score_before_experts:
+            x_rows = (x_rows.float() * row_weight[:, None]).to(x_TH.dtype)
+        y_rows = self.experts(x_rows, tokens_per_expert).float()
+        if not self.score_before_experts:
+            y_rows = y_rows * row_weight[:, None]
+        out = torch.zeros(x_TH.shape, dtype=torch.float32, device=x_TH.device)
+        out = out.index_add(0, token_of_row, y_rows).to(x_TH.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x_TH)
+
+        balance = None
+        if self.aux_loss_coef > 0:
+            balance = self.aux_loss_coef * sequence_balance_loss(
+                scores_TE.view(B, S, -1), expert_ids_TK.view(B, S, -1), self.num_experts, self.top_k)
+        stats = RouterStats(tokens_per_expert.detach().float(), balance)
+        return out.view(B, S, H), stats
+
+
+def sequence_balance_loss(scores_BSE: torch.Tensor, expert_ids_BSK: torch.Tensor, num_experts: int,
+                          top_k: int) -> torch.Tensor:
+    """DeepSeek-V3 sequence-wise balance loss (without its alpha), averaged over the B rows:
+    sum_i f_i P_i with f_i = E / (K S) * #{t: i in TopK(t)} (no grad) and P_i = mean_t s_ti / sum_j s_tj."""
+    B, S, _ = scores_BSE.shape
+    counts = torch.zeros(B, num_experts, device=scores_BSE.device, dtype=torch.float32)
+    counts.scatter_add_(1, expert_ids_BSK.reshape(B, -1),
+                        torch.ones(B, S * top_k, device=scores_BSE.device, dtype=torch.float32))
+    f = counts * (num_experts / (top_k * S))
+    p = (scores_BSE / scores_BSE.sum(dim=-1, keepdim=True)).mean(dim=1)
+    return (f.detach() * p).sum(dim=-1).mean()
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, tokens_per_expert_list, coeff: float, process_group=None) -> None:
+    """Aux-loss-free balancing, after the optimizer step: for each MoE layer (in model order, matching
+    `out.router_stats`), all-reduce (SUM) the token counts over `process_group` when given, then
+    b += coeff * sign(mean(c) - c) in fp32."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    counts_list = list(tokens_per_expert_list)
+    if len(moes) != len(counts_list):
+        raise ValueError(f"update_expert_bias: model has {len(moes)} MoE layers but got {len(counts_list)} "
+                         "token-count tensors (pass [s.tokens_per_expert for s in out.router_stats])")
+    if not moes:
+        return
+    counts = torch.stack([c.detach().float().to(moes[0].expert_bias.device) for c in counts_list])  # [L, E]
+    if process_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=process_group)
+    delta = coeff * torch.sign(counts.mean(dim=-1, keepdim=True) - counts)
+    for moe, d in zip(moes, delta):
+        moe.expert_bias.add_(d.to(moe.expert_bias.device))

@@ -1,0 +1,186 @@
+"""Motif3Model: embed_tokens -> n mHC streams -> blocks -> mean over streams -> norm -> lm_head (+ MTP).
+
+Blocks (`layers.{i}`) are pre-norm: GDLA attention (sliding or full per `is_sliding_layer`) then a dense
+PolyNorm MLP or an MoE (per `is_moe_layer`); with mHC each sub-layer is wrapped by its own MHC module
+(`mhc_attn`, `mhc_ffn`), without it the residual is plain. MTP modules live in `mtp_layers.{k}`.
+Build on the meta device, materialise (`to_empty`), then `init_weights()` (CONTRACTS.md, model-spec §0.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from llm_training.layers.attention import GDLAttention
+from llm_training.layers.ffn import FeedForward
+from llm_training.layers.mhc import MHC
+from llm_training.layers.moe import MoE, RouterStats
+from llm_training.layers.norms import RMSNorm
+from llm_training.layers.rope import RotaryEmbedding, build_rotary_embeddings
+from llm_training.motif.args import Motif3ModelArgs, is_moe_layer, is_sliding_layer
+from llm_training.motif.mtp import MTPModule
+
+
+@dataclass
+class Motif3Output:
+    """What `Motif3Model.forward` returns (CONTRACTS.md "Model forward")."""
+
+    logits: Optional[torch.Tensor]  # [B, S, V]; None when return_hidden
+    hidden: torch.Tensor  # [B, S, H] final-normed (input of lm_head)
+    mtp_logits: Optional[list]  # per MTP module [B, S, V]; None when return_hidden
+    mtp_hidden: list  # per MTP module [B, S, H] (input of lm_head)
+    router_stats: list  # per MoE layer RouterStats
+    balance_loss: torch.Tensor  # 0-dim; sum of the sequence-wise balance losses (0 when disabled)
+
+
+class TransformerBlock(nn.Module):
+    """One trunk block. forward(x, position_ids, document_ids) -> (x, RouterStats or None), where x is the
+    stream tensor [B, S, n, H] with mHC or the plain residual [B, S, H] without."""
+
+    def __init__(self, args: Motif3ModelArgs, layer_idx: int, rope_full: RotaryEmbedding,
+                 rope_sliding: RotaryEmbedding, attention_backend: str = "auto"):
+        super().__init__()
+        H, eps = args.hidden_size, args.rms_norm_eps
+        self.layer_idx, self.init_std = layer_idx, args.initializer_range
+        sliding = is_sliding_layer(layer_idx, args)
+        self.input_layernorm = RMSNorm(H, eps)
+        self.self_attn = GDLAttention(args, sliding=sliding, softmax_scale=args.softmax_scale(layer_idx),
+                                      rope=rope_sliding if sliding else rope_full,
+                                      attention_backend=attention_backend)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        if is_moe_layer(layer_idx, args):
+            self.moe, self.mlp = MoE(args), None
+        else:
+            self.moe, self.mlp = None, FeedForward(H, args.intermediate_size, args)
+        if args.mhc_enabled:
+            mhc = dict(hidden_size=H, n_streams=args.mhc_expansion_rate, sinkhorn_iters=args.mhc_sinkhorn_iters,
+                       eps=args.mhc_eps, identity_init=args.mhc_identity_init,
+                       h_post_alpha=args.mhc_h_post_alpha_start)
+            self.mhc_attn, self.mhc_ffn = MHC(**mhc), MHC(**mhc)
+        else:
+            self.mhc_attn = self.mhc_ffn = None
+
+    def init_weights(self, buffer_device: Optional[torch.device] = None) -> None:
+        self.input_layernorm.init_weights()
+        self.self_attn.init_weights()
+        self.post_attention_layernorm.init_weights()
+        if self.moe is not None:
+            self.moe.init_weights(self.init_std, buffer_device)
+        else:
+            self.mlp.init_weights(self.init_std)
+        if self.mhc_attn is not None:
+            self.mhc_attn.init_weights()
+            self.mhc_ffn.init_weights()
+
+    def _ffn(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, Optional[RouterStats]]:
+        if self.moe is not None:
+            return self.moe(x_BSH)
+        return self.mlp(x_BSH), None
+
+    def forward(self, x: torch.Tensor, position_ids_BS: torch.Tensor,
+                document_ids_BS: Optional[torch.Tensor] = None):
+        if self.mhc_attn is None:
+            x = x + self.self_attn(self.input_layernorm(x), position_ids_BS, document_ids_BS)
+            y, stats = self._ffn(self.post_attention_layernorm(x))
+            return x + y, stats
+        h_pre, h_post, h_res = self.mhc_attn.coefficients(x)
+        y = self.self_attn(self.input_layernorm(MHC.collapse(x, h_pre)), position_ids_BS, document_ids_BS)
+        x = MHC.update(x, h_res, h_post, y)
+        h_pre, h_post, h_res = self.mhc_ffn.coefficients(x)
+        y, stats = self._ffn(self.post_attention_layernorm(MHC.collapse(x, h_pre)))
+        return MHC.update(x, h_res, h_post, y), stats
+
+
+class Motif3Model(nn.Module):
+    """The Motif-3 model. `attention_backend` names a kernel of `layers.attention_backends`."""
+
+    def __init__(self, args: Motif3ModelArgs, attention_backend: str = "auto"):
+        super().__init__()
+        args.validate()
+        if args.tie_word_embeddings:
+            raise ValueError("tie_word_embeddings=True is not supported: Motif-3 has an untied lm_head")
+        self.args = args
+        H = args.hidden_size
+        rope_full, rope_sliding = build_rotary_embeddings(args)
+        self.embed_tokens = nn.Embedding(args.vocab_size, H)
+        self.layers = nn.ModuleList(
+            TransformerBlock(args, i, rope_full, rope_sliding, attention_backend)
+            for i in range(args.num_hidden_layers)
+        )
+        self.norm = RMSNorm(H, args.rms_norm_eps)
+        self.lm_head = nn.Linear(H, args.vocab_size, bias=False)
+        self.mtp_layers = nn.ModuleList(
+            MTPModule(args, rope_sliding, attention_backend) for _ in range(args.num_nextn_predict_layers)
+        )
+
+    # ------------------------------------------------------------------ init / knobs
+    @torch.no_grad()
+    def init_weights(self, buffer_device: Optional[torch.device] = None) -> None:
+        """Initialise every parameter and buffer explicitly, in a fixed order (same numbers for a model
+        built on CPU and one built on meta then `to_empty(device="cpu")`, given the same seed)."""
+        std = self.args.initializer_range
+        nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=std)
+        for layer in self.layers:
+            layer.init_weights(buffer_device)
+        self.norm.init_weights()
+        nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
+        for mtp in self.mtp_layers:
+            mtp.init_weights()
+
+    def set_record_max_logits(self, flag: bool) -> None:
+        """Record per-head max logits (`attn.max_logits`, fp32 [n_h]) on every forward, for QK-clip."""
+        for module in self.modules():
+            if isinstance(module, GDLAttention):
+                module.record_max_logits = bool(flag)
+                module.max_logits = None
+
+    def set_mhc_progress(self, progress: float) -> None:
+        """h_post coefficient schedule: alpha = start + (end - start) * progress, progress in [0, 1]
+        (linear; c_post = 1 + alpha). The published end value 0 gives c_post = 1."""
+        p = min(max(float(progress), 0.0), 1.0)
+        a = self.args
+        alpha = a.mhc_h_post_alpha_start + (a.mhc_h_post_alpha_end - a.mhc_h_post_alpha_start) * p
+        for module in self.modules():
+            if isinstance(module, MHC):
+                module.h_post_alpha = alpha
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None, return_hidden: bool = False) -> Motif3Output:
+        B, S = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
+        embedded = self.embed_tokens(input_ids)
+        x = embedded
+        if self.args.mhc_enabled:  # copy the embedding into n streams: [B, S, n, H]
+            x = embedded.unsqueeze(2).expand(B, S, self.args.mhc_expansion_rate, -1).contiguous()
+        router_stats = []
+        for layer in self.layers:
+            x, stats = layer(x, position_ids, document_ids)
+            if stats is not None:
+                router_stats.append(stats)
+        if self.args.mhc_enabled:
+            x = x.float().mean(dim=2).to(embedded.dtype)
+        hidden = self.norm(x)
+
+        mtp_hidden = []
+        h = hidden if self.args.mtp_feeds_post_norm_hidden else x
+        for k, mtp in enumerate(self.mtp_layers):
+            shift = k + 1  # module k reads t_{i+k+1}; the last positions have no target, any valid id works
+            ids = torch.cat([input_ids[:, shift:], input_ids[:, -1:].expand(B, min(shift, S))], dim=1)[:, :S]
+            h = mtp(h, self.embed_tokens(ids), position_ids, document_ids)
+            mtp_hidden.append(h)
+
+        losses = [s.balance_loss for s in router_stats if s.balance_loss is not None]
+        balance_loss = torch.stack(losses).sum() if losses else torch.zeros((), device=hidden.device)
+        return Motif3Output(
+            logits=None if return_hidden else self.lm_head(hidden),
+            hidden=hidden,
+            mtp_logits=None if return_hidden else [self.lm_head(h) for h in mtp_hidden],
+            mtp_hidden=mtp_hidden,
+            router_stats=router_stats,
+            balance_loss=balance_loss,
+        )

@@ -1,0 +1,8 @@
+"""Training: the loop (`train` / `Trainer`), losses, checkpointing (DCP), gradient clipping and metrics.
+
+`llm_training.train` calls `train(job_config, parallel_dims) -> TrainResult`.
+"""
+
+from llm_training.trainer.trainer import NonFiniteLossError, Trainer, TrainResult, train
+
+__all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "train"]

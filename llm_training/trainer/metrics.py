@@ -1,0 +1,214 @@
+"""Training metrics: throughput / MFU arithmetic, one log line per `log_freq` steps, JSONL file, and the
+optional wandb / TensorBoard sinks (imported lazily).
+
+MFU is reported in both conventions of ARCHITECTURE.md §7 (`training_flops_per_token(args, seq_len,
+"megatron"|"torchtitan")`) against the dense bf16 peak of the detected GPU; on CPU it is n/a.
+wandb settings come from the environment only (WANDB_PROJECT, WANDB_ENTITY, WANDB_NAME, WANDB_API_KEY,
+WANDB_MODE): never from the TOML, and never printed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llm_training.motif.args import Motif3ModelArgs, training_flops_per_token
+
+logger = logging.getLogger(__name__)
+
+MFU_CONVENTIONS = ("megatron", "torchtitan")
+# Dense bf16 peak FLOP/s per GPU (no sparsity), matched on the device name.
+_PEAK_BF16 = (("B200", 2250e12), ("B100", 1750e12), ("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("A100", 312e12))
+
+
+def peak_bf16_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of `device` (None on CPU or an unknown GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for tag, peak in _PEAK_BF16:
+        if tag in name:
+            return peak
+    return None
+
+
+def expert_load_imbalance(tokens_per_expert: list[torch.Tensor]) -> float | None:
+    """max / mean tokens per expert of the worst MoE layer (1.0 = perfectly balanced)."""
+    worst = None
+    for counts in tokens_per_expert:
+        c = counts.detach().double()
+        if c.numel() == 0 or c.sum() <= 0:
+            continue
+        ratio = float(c.max() / c.mean())
+        worst = ratio if worst is None else max(worst, ratio)
+    return worst
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+@dataclass
+class StepRecord:
+    """Everything measured for one optimizer step (already reduced over ranks where it matters)."""
+
+    step: int
+    loss: float  # total (CE + w * MTP + balance)
+    ce_loss: float
+    mtp_loss: float
+    balance_loss: float
+    grad_norm: float
+    lr: float
+    tokens: int  # tokens processed this step over all ranks (global batch x seq_len)
+    step_time_s: float
+    expert_imbalance: float | None = None
+    qk_clip_events: int = 0  # heads rescaled by QK-clip this step
+    skipped: bool = False  # non-finite step, not applied
+
+
+@dataclass
+class MetricsLogger:
+    """Accumulates StepRecords and emits one line + one JSONL record per `log_freq` steps (rank 0 only
+    writes; every rank may call it)."""
+
+    args: Motif3ModelArgs
+    seq_len: int
+    total_steps: int
+    log_freq: int
+    run_folder: Path
+    device: torch.device
+    world_size: int = 1
+    save_jsonl: bool = True
+    enable_wandb: bool = False
+    enable_tensorboard: bool = False
+    is_rank0: bool = True
+    wandb_run_id: str | None = None  # set to resume an existing wandb run
+    _window: list[StepRecord] = field(default_factory=list, init=False)
+    _skipped_total: int = field(default=0, init=False)
+    _qk_clip_total: int = field(default=0, init=False)
+    _start_time: float = field(default_factory=time.perf_counter, init=False)
+    _steps_timed: int = field(default=0, init=False)
+    _time_total: float = field(default=0.0, init=False)
+    _wandb: Any = field(default=None, init=False)
+    _tb: Any = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.flops_per_token = {c: training_flops_per_token(self.args, self.seq_len, c) for c in MFU_CONVENTIONS}
+        self.peak = peak_bf16_flops(self.device)
+        self.jsonl_path = Path(self.run_folder) / "metrics.jsonl"
+        if not self.is_rank0:
+            return
+        Path(self.run_folder).mkdir(parents=True, exist_ok=True)
+        if self.enable_wandb:
+            self._wandb = self._init_wandb()
+        if self.enable_tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError(
+                    "[metrics] enable_tensorboard = true needs the tensorboard package (pip install tensorboard)"
+                ) from e
+            self._tb = SummaryWriter(log_dir=str(Path(self.run_folder) / "tb"))
+
+    def _init_wandb(self):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError("[metrics] enable_wandb = true needs the wandb package (pip install wandb)") from e
+        env = os.environ
+        run = wandb.init(
+            project=env.get("WANDB_PROJECT", "llm_training"),
+            entity=env.get("WANDB_ENTITY") or None,
+            name=env.get("WANDB_NAME") or Path(self.run_folder).name,
+            dir=str(self.run_folder),
+            id=self.wandb_run_id,
+            resume="allow" if self.wandb_run_id else None,
+        )
+        self.wandb_run_id = run.id
+        return run
+
+    def record(self, rec: StepRecord) -> None:
+        self._window.append(rec)
+        self._skipped_total += int(rec.skipped)
+        self._qk_clip_total += rec.qk_clip_events
+        if rec.step > 1 or len(self._window) > 1:  # the first step includes compilation / warm-up
+            self._steps_timed += 1
+            self._time_total += rec.step_time_s
+        if rec.step % self.log_freq == 0 or rec.step == self.total_steps:
+            self.flush()
+
+    def flush(self) -> None:
+        """Emit the metrics of the steps recorded since the last flush."""
+        if not self._window:
+            return
+        window, self._window = self._window, []
+        applied = [r for r in window if not r.skipped] or window
+        last = window[-1]
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        time_s = sum(r.step_time_s for r in window)
+        tokens = sum(r.tokens for r in window)
+        tps = tokens / time_s if time_s > 0 else 0.0
+        tflops = {c: tps * f / self.world_size / 1e12 for c, f in self.flops_per_token.items()}  # per GPU
+        mfu = {c: (tflops[c] * 1e12 / self.peak if self.peak else None) for c in MFU_CONVENTIONS}
+        peak_mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        avg_step = self._time_total / self._steps_timed if self._steps_timed else time_s / len(window)
+        eta_s = avg_step * (self.total_steps - last.step)
+        imbalance = [r.expert_imbalance for r in window if r.expert_imbalance is not None]
+        metrics = {
+            "step": last.step,
+            "loss": mean([r.loss for r in applied]),
+            "ce_loss": mean([r.ce_loss for r in applied]),
+            "mtp_loss": mean([r.mtp_loss for r in applied]),
+            "balance_loss": mean([r.balance_loss for r in applied]),
+            "grad_norm": mean([r.grad_norm for r in applied]),
+            "lr": last.lr,
+            "tokens_per_s": tps,
+            "tflops_per_gpu_megatron": tflops["megatron"],
+            "tflops_per_gpu_torchtitan": tflops["torchtitan"],
+            "mfu_megatron": mfu["megatron"],
+            "mfu_torchtitan": mfu["torchtitan"],
+            "peak_memory_gib": peak_mem,
+            "expert_imbalance_max_over_mean": max(imbalance) if imbalance else None,
+            "qk_clip_events": self._qk_clip_total,
+            "skipped_steps": self._skipped_total,
+            "eta_s": eta_s,
+        }
+        if not self.is_rank0:
+            return
+        pct = lambda v: None if v is None else 100 * v  # noqa: E731
+        logger.info(
+            "step %d/%d  loss %.4f (ce %.4f mtp %.4f bal %.4g)  gnorm %.3f  lr %.3g  tok/s %.0f  "
+            "TFLOP/s/gpu %s|%s  MFU %s%%|%s%% (megatron|torchtitan)  mem %s GiB  imbalance %s  "
+            "qk-clip %d  skipped %d  eta %s",
+            last.step, self.total_steps, metrics["loss"], metrics["ce_loss"], metrics["mtp_loss"],
+            metrics["balance_loss"], metrics["grad_norm"], last.lr, tps,
+            _fmt(tflops["megatron"], ".3g"), _fmt(tflops["torchtitan"], ".3g"),
+            _fmt(pct(mfu["megatron"]), ".1f"), _fmt(pct(mfu["torchtitan"]), ".1f"), _fmt(peak_mem, ".1f"),
+            _fmt(metrics["expert_imbalance_max_over_mean"], ".2f"), self._qk_clip_total, self._skipped_total,
+            time.strftime("%H:%M:%S", time.gmtime(eta_s)),
+        )  # fmt: skip
+        if self.save_jsonl:
+            with self.jsonl_path.open("a") as f:
+                f.write(json.dumps(metrics) + "\n")
+        numeric = {k: v for k, v in metrics.items() if v is not None and k != "step"}
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=last.step)
+        if self._tb is not None:
+            for k, v in numeric.items():
+                self._tb.add_scalar(k, v, last.step)
+
+    def close(self) -> None:
+        self.flush()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

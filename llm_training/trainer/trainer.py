@@ -1,0 +1,426 @@
+"""The train loop (ARCHITECTURE.md §2 step 5): build model / data / optimizers, resume, then per step
+forward -> loss -> backward per micro-batch -> grad clip -> Muon/AdamW step -> QK-clip -> expert-bias
+update -> LR step -> metrics -> checkpoint (interval, SIGTERM/SIGINT, end).
+
+Entry point for `llm_training/train.py`: `llm_training.trainer.train(job_config, parallel_dims)`.
+
+Fault handling:
+  * non-finite loss or gradient norm (one flag, agreed by all ranks): the step is skipped (grads zeroed, no
+    optimizer / scheduler / bias update, no checkpoint) and counted; `max_consecutive_nonfinite` skipped
+    steps in a row stop the run with NonFiniteLossError, leaving the last good checkpoint as it was.
+  * SIGTERM / SIGINT (Kubernetes pre-emption, Ctrl-C): a handler sets a flag; the loop finishes the
+    current step, saves a checkpoint and returns cleanly (TrainResult.stopped_by_signal).
+  * torch.OutOfMemoryError: re-raised naming the step and the config keys that reduce memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from llm_training.config import ConfigError, grad_accumulation_steps, to_toml
+from llm_training.motif import get_flavor
+from llm_training.motif.state_dict_adapter import hf_config_from_args
+from llm_training.trainer.checkpoint import (
+    BlobState,
+    CheckpointManager,
+    ModelState,
+    load_model_weights_dcp,
+    rng_state,
+    set_rng_state,
+)
+from llm_training.trainer.grad_clip import clip_grad_norm
+from llm_training.trainer.losses import count_labelled_tokens, micro_batch_loss
+from llm_training.trainer.metrics import MetricsLogger, StepRecord, expert_load_imbalance
+
+logger = logging.getLogger(__name__)
+
+OOM_HINT = (
+    "reduce memory with: training.local_batch_size (raise training.global_batch_size / local for accumulation), "
+    "training.seq_len, activation_checkpoint.mode = 'selective' or 'full', a larger "
+    "parallelism.data_parallel_shard_degree (more GPUs to shard over), training.mixed_precision_param = 'bfloat16'"
+)
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient norm."""
+
+
+@dataclass
+class TrainResult:
+    """What a training run did and where its outputs are."""
+
+    start_step: int  # 0, or the step of the checkpoint resumed from
+    last_step: int
+    losses: dict[int, float]  # step -> global total loss (nan for skipped steps)
+    skipped_steps: int
+    stopped_by_signal: bool
+    run_folder: Path
+    checkpoint_folder: Path | None
+    metrics_path: Path | None
+    last_checkpoint: Path | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class TrainState:
+    """Step counter and run bookkeeping stored in the checkpoint (`train_state` key)."""
+
+    def __init__(self, config_toml: str, model_config_json: str):
+        self.step = 0
+        self.skipped_steps = 0
+        self.wandb_run_id = ""
+        self.config_toml = config_toml
+        self.model_config_json = model_config_json
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+            "wandb_run_id": self.wandb_run_id,
+            "config_toml": self.config_toml,
+            "model_config_json": self.model_config_json,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.wandb_run_id = str(state["wandb_run_id"])
+
+
+class _StopSignal:
+    """SIGTERM/SIGINT handlers that only set a flag (installed in the main thread, restored on exit)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._old = {}
+
+    def install(self) -> None:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+        logger.warning("received %s: finishing this step, saving a checkpoint, then exiting", signal.Signals(signum).name)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t
+
+
+class Trainer:
+    """Builds everything for `job_config` on this rank; `fit()` runs the loop."""
+
+    def __init__(self, job_config, parallel_dims):
+        from llm_training.data import build_dataloader, build_tokenizer
+        from llm_training.motif.model import Motif3Model
+        from llm_training.motif.parallelize import parallelize_motif
+        from llm_training.train import resolve_device
+        from llm_training.trainer.optim import build_optimizers
+
+        self.job_config = c = job_config
+        self.parallel_dims = parallel_dims
+        self.device = resolve_device(c)
+        self._own_process_group = False
+        if self.device.type == "cuda" and not dist.is_initialized():
+            # A single-process GPU run still goes through FSDP2 (bf16 params, fp32 master weights).
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=self.device)
+            self._own_process_group = True
+        if dist.is_initialized() and parallel_dims.world_mesh is None:
+            parallel_dims.build_mesh(self.device.type)
+        self.rank = _rank()
+        self.dp_rank = parallel_dims.dp_rank(self.rank)
+        self.dp_size = parallel_dims.dp_size
+        self.accum = grad_accumulation_steps(c, self.dp_size)
+        t = c.training
+        if t.global_batch_size != -1 and t.global_batch_size != t.local_batch_size * self.accum * self.dp_size:
+            raise ConfigError(
+                f"[training] global_batch_size ({t.global_batch_size}) must equal local_batch_size "
+                f"({t.local_batch_size}) x gradient accumulation x data-parallel size ({self.dp_size})"
+            )
+        if t.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        if c.quantize.mode != "none":
+            raise ConfigError(f"[quantize] mode = {c.quantize.mode!r} is not wired into the trainer yet; use 'none'")
+        _seed_everything(t.seed)
+
+        self.model_args = get_flavor(c.model.flavor)
+        if t.seq_len > self.model_args.max_seq_len:
+            raise ConfigError(
+                f"[training] seq_len = {t.seq_len} exceeds the max_seq_len {self.model_args.max_seq_len} of flavor "
+                f"{c.model.flavor!r}"
+            )
+        self.tokenizer = build_tokenizer(c.model.tokenizer_path)
+        self.dataloader = build_dataloader(c, self.tokenizer, self.dp_rank, self.dp_size)
+
+        with torch.device("meta"):
+            self.model = Motif3Model(self.model_args, attention_backend=c.model.attention_backend)
+        self.parallel = parallelize_motif(self.model, parallel_dims, c, self.device)
+        self.model.to_empty(device=self.device)
+        torch.manual_seed(t.seed)
+        self.model.init_weights(buffer_device=self.device)
+        self.model.train()
+
+        built = build_optimizers(self.model, c)
+        self.optimizers, self.lr_scheduler = built if isinstance(built, tuple) else (built, built.lr_scheduler)
+        self.qk_clip_threshold = c.optimizer.qk_clip_threshold
+        self.model.set_record_max_logits(self.qk_clip_threshold > 0)
+
+        self.run_folder = Path(c.run_folder)
+        self.train_state = TrainState(to_toml(c), _json(hf_config_from_args(self.model_args)))
+        self.checkpointer = None
+        if c.checkpoint.enable:
+            self.checkpointer = CheckpointManager(
+                self.run_folder / c.checkpoint.folder, c.checkpoint.keep_latest_k, c.checkpoint.async_mode
+            )
+        self.stop_signal = _StopSignal()
+        self.nonfinite_in_a_row = 0
+
+    # ------------------------------------------------------------------ checkpoint state
+    def checkpoint_state(self) -> dict:
+        """The components of one checkpoint (per-rank data loader / RNG under per-rank keys)."""
+        return {
+            "model": ModelState(self.model),
+            "optimizer": self.optimizers,
+            "lr_scheduler": self.lr_scheduler,
+            f"dataloader_dp_rank_{self.dp_rank}": BlobState(self.dataloader.state_dict, self.dataloader.load_state_dict),
+            f"rng_rank_{self.rank}": BlobState(rng_state, set_rng_state),
+            "train_state": self.train_state,
+        }
+
+    def _resume_or_initial_load(self) -> None:
+        ck = self.job_config.checkpoint
+        latest = self.checkpointer.latest_step() if self.checkpointer else None
+        if latest is not None:
+            self.checkpointer.load(latest, self.checkpoint_state())
+            logger.info("resumed from %s (step %d)", self.checkpointer.step_dir(latest), self.train_state.step)
+        elif ck.initial_load_path:
+            if ck.initial_load_format == "hf":
+                from llm_training.motif.state_dict_adapter import load_hf_checkpoint
+
+                load_hf_checkpoint(self.model, ck.initial_load_path)
+            else:
+                load_model_weights_dcp(self.model, ck.initial_load_path)
+            logger.info("initial weights loaded from %s (%s)", ck.initial_load_path, ck.initial_load_format)
+
+    def _save(self, blocking: bool = False) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.save(self.train_state.step, self.checkpoint_state(), blocking=blocking)
+
+    # ------------------------------------------------------------------ one step
+    def _attention_modules(self):
+        return [m for m in self.model.modules() if hasattr(m, "record_max_logits")]
+
+    def train_step(self, micro_batches: list[dict]) -> StepRecord:
+        t = self.job_config.training
+        step = self.train_state.step
+        n_mtp = len(self.model.mtp_layers)
+        normalisers = sum(count_labelled_tokens(mb["labels"], n_mtp) for mb in micro_batches)
+        normalisers = _all_reduce(normalisers.to(self.device))
+        balance_scale = 1.0 / (len(micro_batches) * self.dp_size)
+        parts = torch.zeros(4, dtype=torch.float64, device=self.device)  # total, ce, mtp, balance
+        tokens_per_expert = None
+        attn = self._attention_modules() if self.qk_clip_threshold > 0 else []
+        max_logits = [None] * len(attn)
+        for mb in micro_batches:
+            mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+            out = self.model(mb["input_ids"], mb["position_ids"], mb["document_ids"], return_hidden=True)
+            loss = micro_batch_loss(
+                out, self.model.lm_head.weight, mb["labels"], normalisers, t.mtp_loss_weight, balance_scale
+            )
+            counts = [s.tokens_per_expert for s in out.router_stats]
+            tokens_per_expert = counts if tokens_per_expert is None else [a + b for a, b in zip(tokens_per_expert, counts)]
+            for i, m in enumerate(attn):
+                if m.max_logits is not None:
+                    max_logits[i] = m.max_logits if max_logits[i] is None else torch.maximum(max_logits[i], m.max_logits)
+            loss.total.backward()
+            parts += torch.stack([loss.total.detach(), loss.ce, loss.mtp, loss.balance]).double()
+        for m, ml in zip(attn, max_logits):  # the max over all micro-batches is what QK-clip must see
+            m.max_logits = ml
+        self.parallel.sync_replicated_grads()
+        # One all-reduce (SUM) for the losses and two flags: this rank saw a non-finite loss / a stop signal.
+        flags = [float(not bool(torch.isfinite(parts).all())), float(self.stop_signal.received is not None)]
+        reduced = _all_reduce(torch.cat([parts, torch.tensor(flags, dtype=torch.float64, device=self.device)]))
+        parts, any_nonfinite_loss, self._stop_requested = reduced[:4], bool(reduced[4] > 0), bool(reduced[5] > 0)
+
+        grad_norm = clip_grad_norm(list(self.model.parameters()), t.max_norm)
+        nonfinite = any_nonfinite_loss or not math.isfinite(grad_norm)
+        qk_events = 0
+        if nonfinite:
+            self.optimizers.zero_grad()
+            self.train_state.skipped_steps += 1
+            self.nonfinite_in_a_row += 1
+            logger.warning(
+                "step %d: non-finite loss %.4g or grad norm %.4g: step skipped (%d in a row, %d in total)",
+                step, parts[0].item(), grad_norm, self.nonfinite_in_a_row, self.train_state.skipped_steps,
+            )  # fmt: skip
+        else:
+            self.nonfinite_in_a_row = 0
+            self.optimizers.step()
+            if self.qk_clip_threshold > 0:
+                from llm_training.trainer.optim import apply_qk_clip
+
+                clipped = apply_qk_clip(self.model, self.qk_clip_threshold, dist.group.WORLD if dist.is_initialized() else None)
+                qk_events = int(getattr(clipped, "num_clipped_heads", clipped) or 0)
+            if tokens_per_expert:
+                from llm_training.layers.moe import update_expert_bias
+
+                group = dist.group.WORLD if dist.is_initialized() else None
+                update_expert_bias(self.model, tokens_per_expert, self.model_args.load_balance_coeff, process_group=group)
+            self.lr_scheduler.step()
+            if hasattr(self.model, "set_mhc_progress"):
+                self.model.set_mhc_progress(step / max(t.steps, 1))
+            self.optimizers.zero_grad()
+        global_tpe = None
+        if tokens_per_expert:
+            global_tpe = _all_reduce(torch.stack(tokens_per_expert).clone())
+        lr = self.lr_scheduler.get_last_lr()[0]
+        return StepRecord(
+            step=step,
+            loss=parts[0].item(),
+            ce_loss=parts[1].item(),
+            mtp_loss=parts[2].item(),
+            balance_loss=parts[3].item(),
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=t.local_batch_size * t.seq_len * len(micro_batches) * self.dp_size,
+            step_time_s=0.0,
+            expert_imbalance=expert_load_imbalance(list(global_tpe)) if global_tpe is not None else None,
+            qk_clip_events=qk_events,
+            skipped=nonfinite,
+        )
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> TrainResult:
+        c = self.job_config
+        self._resume_or_initial_load()
+        start_step = self.train_state.step
+        metrics = MetricsLogger(
+            args=self.model_args,
+            seq_len=c.training.seq_len,
+            total_steps=c.training.steps,
+            log_freq=c.metrics.log_freq,
+            run_folder=self.run_folder,
+            device=self.device,
+            world_size=dist.get_world_size() if dist.is_initialized() else 1,
+            save_jsonl=c.metrics.save_jsonl,
+            enable_wandb=c.metrics.enable_wandb,
+            enable_tensorboard=c.metrics.enable_tensorboard,
+            is_rank0=self.rank == 0,
+            wandb_run_id=self.train_state.wandb_run_id or None,
+        )
+        self.train_state.wandb_run_id = metrics.wandb_run_id or ""
+        losses: dict[int, float] = {}
+        data = iter(self.dataloader)
+        self._stop_requested = False
+        self.stop_signal.install()
+        try:
+            while self.train_state.step < c.training.steps:
+                self.train_state.step += 1
+                step = self.train_state.step
+                t0 = time.perf_counter()
+                micro_batches = [next(data) for _ in range(self.accum)]
+                try:
+                    rec = self.train_step(micro_batches)
+                except torch.OutOfMemoryError as e:
+                    raise torch.OutOfMemoryError(f"out of memory at step {step}: {OOM_HINT}. Original error: {e}") from e
+                rec.step_time_s = time.perf_counter() - t0
+                losses[step] = float("nan") if rec.skipped else rec.loss
+                metrics.record(rec)
+                if rec.skipped and self.nonfinite_in_a_row >= c.training.max_consecutive_nonfinite:
+                    raise NonFiniteLossError(
+                        f"{self.nonfinite_in_a_row} consecutive steps (last: {step}) had a non-finite loss or gradient "
+                        f"norm (training.max_consecutive_nonfinite = {c.training.max_consecutive_nonfinite}); "
+                        "stopping without saving. Lower optimizer.lr, check the data, or resume from the last checkpoint"
+                    )
+                if self._stop_requested:
+                    logger.warning("stop requested by signal: saving a checkpoint at step %d and exiting", step)
+                    self._save(blocking=True)
+                    break
+                if not rec.skipped and step % c.checkpoint.interval == 0 and step < c.training.steps:
+                    self._save()
+            if not self._stop_requested and self.train_state.step == c.training.steps:
+                self._save(blocking=True)
+        finally:
+            self.stop_signal.restore()
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+            metrics.close()
+        return self._result(start_step, losses, metrics)
+
+    def _result(self, start_step: int, losses: dict, metrics: MetricsLogger) -> TrainResult:
+        ck = self.checkpointer
+        latest = ck.latest_step() if ck else None
+        result = TrainResult(
+            start_step=start_step,
+            last_step=self.train_state.step,
+            losses=losses,
+            skipped_steps=self.train_state.skipped_steps,
+            stopped_by_signal=self._stop_requested,
+            run_folder=self.run_folder,
+            checkpoint_folder=ck.folder if ck else None,
+            metrics_path=metrics.jsonl_path if self.job_config.metrics.save_jsonl else None,
+            last_checkpoint=ck.step_dir(latest) if latest is not None else None,
+        )
+        if self.rank == 0:
+            lines = [f"run folder: {result.run_folder}"]
+            if result.metrics_path:
+                lines.append(f"metrics: {result.metrics_path}")
+            if result.last_checkpoint:
+                lines.append(f"last checkpoint: {result.last_checkpoint}")
+                lines.append(
+                    "export to HuggingFace: python -m llm_training.convert dcp-to-hf "
+                    f"{result.last_checkpoint} <out_dir> --dtype {self.job_config.checkpoint.export_dtype}"
+                )
+            logger.info("training finished at step %d.\n  %s", result.last_step, "\n  ".join(lines))
+        return result
+
+    def close(self) -> None:
+        if self._own_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _json(obj) -> str:
+    import json
+
+    return json.dumps(obj, sort_keys=True)
+
+
+def train(job_config, parallel_dims) -> TrainResult:
+    """Build a Trainer for `job_config` and run it to the end (or to a stop signal)."""
+    trainer = Trainer(job_config, parallel_dims)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()

@@ -1,0 +1,111 @@
+"""Muon + AdamW behind one object: build both from grouping rules, step / zero_grad them together, and
+save / load their state as one flat, FQN-keyed, DCP-friendly dict.
+
+The state dict uses `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` with
+`flatten_optimizer_state_dict=True` per optimizer and merges the results (keys such as
+`state.<fqn>.momentum_buffer`, `param_groups.<fqn>.lr`); the two optimizers own disjoint parameters, so the
+keys never collide, and loading hands the merged dict to each optimizer, which picks its own FQNs.
+(Design follows torchtitan's OptimizersContainer.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from optimizer.grouping import GroupRule, ParamGrouping, group_parameters
+from optimizer.muon import Muon
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class OptimizersContainer:
+    """Holds `muon` (None when everything is AdamW) and `adamw` for one model."""
+
+    def __init__(self, model: nn.Module, muon: Muon | None, adamw: torch.optim.Optimizer | None, grouping: ParamGrouping):
+        self.model = model
+        self.muon = muon
+        self.adamw = adamw
+        self.grouping = grouping
+        self.optimizers: list[torch.optim.Optimizer] = [o for o in (muon, adamw) if o is not None]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        merged: dict = {}
+        for opt in self.optimizers:
+            merged.update(get_optimizer_state_dict(self.model, opt, options=_FLAT))
+        return merged
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for opt in self.optimizers:
+            set_optimizer_state_dict(self.model, opt, optim_state_dict=state_dict, options=_FLAT)
+
+
+def _adamw(groups: list[dict], lr: float, betas, eps: float, device: torch.device) -> torch.optim.AdamW:
+    # fused kernel on CUDA (DTensor-aware), multi-tensor foreach elsewhere
+    impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, **impl)
+
+
+def build_optimizers(
+    model: nn.Module,
+    rules: list[GroupRule],
+    *,
+    lr: float,
+    weight_decay: float,
+    use_muon: bool = True,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    adamw_betas: Iterable[float] = (0.9, 0.95),
+    adamw_eps: float = 1e-8,
+    forbidden: Iterable[str] = (),
+    ns_dtype: torch.dtype | None = None,
+    comm_dtype: torch.dtype | None = None,
+    log: Callable[[str], None] | None = print,
+) -> OptimizersContainer:
+    """Group `model.named_parameters()` by `rules` and build Muon (muon group) + AdamW (the rest) with one
+    lr and weight decay (Muon's Moonlight scaling makes them shareable). `use_muon=False` sends the muon
+    group to AdamW with decay (the AdamW baseline). Prints the grouping table via `log`."""
+    grouping = group_parameters(model.named_parameters(), rules, forbidden)
+    if not use_muon:
+        grouping.groups["adamw_decay"] = grouping.groups["adamw_decay"] + grouping.groups["muon"]
+        grouping.groups["muon"] = []
+    if log is not None:
+        log("optimizer parameter groups:\n" + grouping.table())
+    muon = None
+    if grouping.groups["muon"]:
+        muon = Muon(
+            grouping.muon_param_groups(),
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            ns_dtype=ns_dtype,
+            comm_dtype=comm_dtype,
+        )
+    adamw_groups = [
+        {"params": [p for _, p, _ in grouping.groups[name]], "weight_decay": wd}
+        for name, wd in (("adamw_decay", weight_decay), ("adamw_no_decay", 0.0))
+        if grouping.groups[name]
+    ]
+    adamw = None
+    if adamw_groups:
+        device = adamw_groups[0]["params"][0].device
+        adamw = _adamw(adamw_groups, lr, adamw_betas, adamw_eps, device)
+    return OptimizersContainer(model, muon, adamw, grouping)

@@ -1,0 +1,163 @@
+"""Cross-field validation (with and without the world size) and the shipped train configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llm_training.config import ConfigError, ConfigManager, grad_accumulation_steps, validate_for_world_size
+from llm_training.config.manager import TRAIN_CONFIGS_DIR
+
+
+def parse(*argv: str):
+    return ConfigManager().parse_args(list(argv))
+
+
+def test_unknown_flavor_lists_valid_flavors():
+    with pytest.raises(ConfigError) as e:
+        parse("--model.flavor=motif3_huge")
+    msg = str(e.value)
+    assert "'motif3_huge'" in msg
+    for name in ("motif3_seq", "motif3_small", "motif3_debug", "motif3_proxy", "motif3_seq_256k_mtp1_sft"):
+        assert name in msg
+
+
+def test_warmup_longer_than_training():
+    with pytest.raises(ConfigError) as e:
+        parse("--training.steps=10", "--lr_scheduler.warmup_steps=20")
+    assert "warmup_steps = 20" in str(e.value) and "steps = 10" in str(e.value)
+
+
+def test_seq_len_beyond_flavor_context():
+    with pytest.raises(ConfigError) as e:
+        parse("--training.seq_len=512")  # motif3_debug has max_seq_len 256
+    assert "seq_len = 512" in str(e.value) and "max_seq_len 256" in str(e.value)
+
+
+def test_seq_len_not_divisible_by_context_parallel():
+    with pytest.raises(ConfigError) as e:
+        parse("--training.seq_len=250", "--parallelism.context_parallel_degree=4")
+    assert "seq_len = 250" in str(e.value) and "context_parallel_degree = 4" in str(e.value)
+
+
+def test_ulysses_needs_heads_divisible_by_cp():
+    with pytest.raises(ConfigError) as e:
+        parse("--parallelism.context_parallel_degree=4")  # motif3_debug has 10 heads
+    assert "ulysses" in str(e.value) and "10 heads" in str(e.value)
+    c = parse("--parallelism.context_parallel_degree=4", "--parallelism.context_parallel_mode=ring")
+    assert c.parallelism.context_parallel_degree == 4
+
+
+def test_ep_must_divide_experts():
+    with pytest.raises(ConfigError) as e:
+        parse("--parallelism.expert_parallel_degree=3")  # 16 experts
+    assert "expert_parallel_degree = 3" in str(e.value) and "16 experts" in str(e.value)
+
+
+def test_global_batch_not_multiple_of_local():
+    with pytest.raises(ConfigError) as e:
+        parse("--training.global_batch_size=12")  # local 8
+    assert "global_batch_size = 12" in str(e.value) and "local_batch_size = 8" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "arg, key",
+    [
+        ("--training.local_batch_size=0", "local_batch_size"),
+        ("--optimizer.lr=0", "lr"),
+        ("--optimizer.adamw_betas=0.9", "adamw_betas"),
+        ("--lr_scheduler.min_lr_factor=1.5", "min_lr_factor"),
+        ("--checkpoint.interval=0", "interval"),
+        ("--metrics.log_freq=0", "log_freq"),
+        ("--job.run_name=a/b", "run_name"),
+        ("--parallelism.data_parallel_shard_degree=0", "data_parallel_shard_degree"),
+    ],
+)
+def test_out_of_range_values_name_the_key(arg, key):
+    with pytest.raises(ConfigError) as e:
+        parse(arg)
+    assert key in str(e.value)
+
+
+def test_gpu_only_modes_rejected_on_cpu():
+    with pytest.raises(ConfigError) as e:
+        parse("--training.device=cpu", "--quantize.mode=mxfp8")
+    assert "mxfp8_emulated" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        parse("--training.device=cpu", "--model.attention_backend=fa4")
+    assert "attention_backend" in str(e.value)
+
+
+def test_world_size_layout_errors():
+    c = parse("--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=2")
+    with pytest.raises(ConfigError) as e:
+        validate_for_world_size(c, 8)
+    assert "= 4 must equal the world size 8" in str(e.value)
+    c = parse("--parallelism.data_parallel_replicate_degree=3")
+    with pytest.raises(ConfigError) as e:
+        validate_for_world_size(c, 8)
+    assert "not divisible" in str(e.value) and "= 3" in str(e.value)
+    c = parse("--parallelism.expert_parallel_degree=4")
+    with pytest.raises(ConfigError) as e:
+        validate_for_world_size(c, 2)
+    assert "expert_parallel_degree = 4" in str(e.value)
+
+
+def test_world_size_global_batch():
+    c = parse("--training.global_batch_size=48")  # 48 = 8 x 6
+    with pytest.raises(ConfigError) as e:
+        validate_for_world_size(c, 4)  # 8 x 4 = 32 does not divide 48
+    assert "global_batch_size = 48" in str(e.value) and "32" in str(e.value)
+    c = parse("--training.global_batch_size=64")
+    dims = validate_for_world_size(c, 4)
+    assert dims.dp_size == 4 and grad_accumulation_steps(c, dims.dp_size) == 2
+
+
+SHIPPED = {
+    "debug_cpu.toml": 1,
+    "h200_small.toml": 1,
+    "example_c4_pretrain.toml": 32,
+    "example_c4_sft.toml": 32,
+}
+
+
+def test_every_shipped_config_is_covered():
+    assert sorted(p.name for p in TRAIN_CONFIGS_DIR.glob("*.toml")) == sorted(SHIPPED)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_configs_validate_for_their_world_size(name):
+    c = parse("--job.config_file", str(TRAIN_CONFIGS_DIR / name))
+    dims = validate_for_world_size(c, SHIPPED[name])
+    assert dims.dp_shard * dims.dp_replicate * dims.cp == SHIPPED[name]
+
+
+def test_example_layouts():
+    pre = parse("--job.config_file", str(TRAIN_CONFIGS_DIR / "example_c4_pretrain.toml"))
+    d = validate_for_world_size(pre, 32)
+    assert (d.dp_shard, d.ep, d.cp, pre.training.seq_len) == (32, 8, 1, 4096)
+    assert grad_accumulation_steps(pre, d.dp_size) * pre.training.local_batch_size * d.dp_size == 256
+    sft = parse("--job.config_file", str(TRAIN_CONFIGS_DIR / "example_c4_sft.toml"))
+    d = validate_for_world_size(sft, 32)
+    assert (d.dp_shard, d.cp, sft.training.seq_len) == (4, 8, 262144)
+
+
+def test_pretrain_and_sft_examples_comment_every_key():
+    """The two production examples document each key on its own line (a trailing # comment)."""
+    for name in ("example_c4_pretrain.toml", "example_c4_sft.toml"):
+        for lineno, line in enumerate((TRAIN_CONFIGS_DIR / name).read_text().splitlines(), 1):
+            if "=" in line and not line.lstrip().startswith("#"):
+                assert "#" in line.split("=", 1)[1], f"{name}:{lineno} has no comment: {line!r}"
+
+
+def test_docs_config_md_is_up_to_date():
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("gen_config_docs", root / "scripts" / "gen_config_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (root / "docs" / "config.md").read_text() == module.render(), (
+        "docs/config.md is stale: run `python scripts/gen_config_docs.py`"
+    )

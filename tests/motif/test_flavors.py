@@ -1,0 +1,57 @@
+"""Flavor registry: lookup errors and parameter counts against the hand arithmetic of model-spec §0.1."""
+
+from __future__ import annotations
+
+import pytest
+
+from llm_training.config import ConfigError, ConfigManager
+from llm_training.motif import MODEL_FLAVORS, get_flavor, param_counts
+
+
+def test_unknown_flavor_lists_the_valid_ones():
+    with pytest.raises(KeyError) as e:
+        get_flavor("motif3_xl")
+    for name in MODEL_FLAVORS:
+        assert name in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        ConfigManager().parse_args(["--model.flavor=motif3_xl"])
+    assert "motif3_seq" in str(e.value) and "motif3_debug" in str(e.value)
+
+
+def _spec_hand_arithmetic() -> tuple[float, float]:
+    """Total and active parameters of motif3_seq as model-spec §0.1 adds them up (coarse, by hand)."""
+    H, V, E, K, I_e, I = 4096, 220160, 384, 8, 1280, 12288
+    expert = 3 * H * I_e  # gate, up, down
+    moe_layers, dense_layers, layers = 51, 2, 53
+    # GDLA attention from the tensor shapes: wq_a, wq_b, wq_b_gate, wkv_a, wkv_b, lambda_proj, wo
+    attention = (
+        H * 1024 + 1024 * 80 * 192 + 1024 * 64 * 128 + H * (512 + 64) + 512 * 16 * (128 + 128) + H * 64 + 64 * 128 * H
+    )
+    mhc = 2 * (4 * H) * (1 + 2 * 4 + 16)  # two modules per layer: gain + proj_pre/post/res over the 4H stream
+    edge = 2 * V * H  # embedding + untied head
+    shared_and_router = moe_layers * (expert + E * H)
+    total = moe_layers * E * expert + layers * (attention + mhc) + dense_layers * 3 * H * I + shared_and_router + edge
+    active = moe_layers * K * expert + layers * (attention + mhc) + dense_layers * 3 * H * I + shared_and_router + edge
+    return total, active
+
+
+def test_motif3_seq_matches_the_published_size():
+    total, active = _spec_hand_arithmetic()
+    assert total == pytest.approx(314.4e9, rel=0.01)  # the spec's quoted sum
+    counts = param_counts(get_flavor("motif3_seq"))
+    assert counts.total == pytest.approx(total, rel=0.01)
+    assert counts.active == pytest.approx(active, rel=0.05)
+    assert counts.active == pytest.approx(13e9, rel=0.05)
+
+
+def test_long_context_flavor_has_the_same_weights():
+    assert param_counts(get_flavor("motif3_seq_256k_mtp1_sft")) == param_counts(get_flavor("motif3_seq"))
+    assert get_flavor("motif3_seq_256k_mtp1_sft").max_seq_len == 262144
+
+
+def test_small_and_debug_sizes():
+    small = param_counts(get_flavor("motif3_small"))
+    assert 1e9 <= small.total <= 3e9 and small.active < small.total
+    debug = param_counts(get_flavor("motif3_debug"))
+    assert debug.total < 2e6  # CPU in seconds
+    assert get_flavor("motif3_debug").max_seq_len == 256  # the demo's seq_len

@@ -1,0 +1,184 @@
+"""HF import/export: config mapping, key mapping, RoPE row permutation, round trip, independent writer,
+and the errors for bad config.json / missing / misshaped tensors."""
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from llm_training.motif import get_flavor
+from llm_training.motif.model import Motif3Model
+from llm_training.motif.state_dict_adapter import (
+    args_from_hf_config,
+    export_hf_checkpoint,
+    half_split_to_interleaved,
+    hf_config_from_args,
+    interleaved_to_half_split,
+    load_hf_checkpoint,
+)
+
+ARGS = get_flavor("motif3_debug")
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    m = Motif3Model(ARGS)
+    m.init_weights()
+    with torch.no_grad():  # non-trivial values for every fp32 param/buffer too
+        for layer in m.layers:
+            if layer.moe is not None:
+                layer.moe.expert_bias.copy_(torch.randn(ARGS.num_experts) * 0.01)
+    return m.eval()
+
+
+def _ids():
+    return torch.randint(0, ARGS.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+def _logits(m, ids):
+    with torch.no_grad():
+        out = m(ids)
+    return out.logits, out.mtp_logits[0]
+
+
+def test_permutation_is_half_split_and_invertible():
+    p = interleaved_to_half_split(8)
+    assert p.tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    rows = torch.arange(8)
+    assert torch.equal(rows[p][half_split_to_interleaved(8)], rows)
+
+
+def test_config_round_trip_and_published_field_names():
+    cfg = hf_config_from_args(ARGS)
+    for name in ("num_hidden_layers", "hidden_size", "num_experts", "experts_top_k", "max_position_embeddings",
+                 "qk_rope_head_dim", "num_nextn_predict_layers", "rope_scaling", "vocab_size"):
+        assert name in cfg
+    assert cfg["rope_scaling"] == {"type": "yarn", "factor": ARGS.rope_factor, "beta_fast": ARGS.beta_fast,
+                                   "beta_slow": ARGS.beta_slow, "mscale": ARGS.mscale,
+                                   "original_max_position_embeddings": ARGS.original_seq_len}
+    assert cfg["max_position_embeddings"] == ARGS.max_seq_len
+    assert args_from_hf_config(json.loads(json.dumps(cfg))) == ARGS
+
+
+def test_unknown_fields_are_dropped_with_a_warning(caplog):
+    cfg = hf_config_from_args(ARGS) | {"made_up_field": 1, "transformers_version": "5.0"}
+    with caplog.at_level(logging.WARNING):
+        assert args_from_hf_config(cfg) == ARGS
+    assert "made_up_field" in caplog.text and "transformers_version" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [({"hidden_size": "64"}, "hidden_size"), ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type"),
+     ({"diff_v2": False}, "diff_v2"), ({"num_noise_heads": 3}, "num_noise_heads")],
+)
+def test_bad_config_errors_name_the_field(change, needle):
+    with pytest.raises(ValueError, match=needle):
+        args_from_hf_config(hf_config_from_args(ARGS) | change)
+
+
+def test_export_then_import_reproduces_logits_exactly(tmp_path):
+    src, dst, ids = _model(0), _model(1), _ids()
+    export_hf_checkpoint(src, tmp_path, dtype=torch.float32, max_shard_bytes=200_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # really sharded
+    assert "lm_head.weight" in index["weight_map"] and "model.embed_tokens.weight" in index["weight_map"]
+    assert "model.mtp_layers.0.self_attn.wq_b.weight" in index["weight_map"]
+    load_hf_checkpoint(dst, tmp_path)
+    for a, b in zip(_logits(src, ids), _logits(dst, ids)):
+        assert torch.equal(a, b)
+
+
+def test_bf16_export_keeps_fp32_tensors(tmp_path):
+    from safetensors import safe_open
+
+    export_hf_checkpoint(_model(0), tmp_path, dtype=torch.bfloat16)
+    (shard,) = sorted(tmp_path.glob("*.safetensors"))
+    with safe_open(str(shard), framework="pt") as f:
+        assert f.get_tensor("model.layers.2.moe.expert_bias").dtype == torch.float32
+        assert f.get_tensor("model.layers.2.moe.router.gate.weight").dtype == torch.float32
+        assert f.get_tensor("model.layers.0.mhc_attn.proj_res.weight").dtype == torch.float32
+        assert f.get_tensor("model.layers.0.mlp.act_fn.weight").dtype == torch.float32
+        assert f.get_tensor("model.layers.0.self_attn.wq_b.weight").dtype == torch.bfloat16
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def _half_split_rows(w, n_heads, head_dim, d_rope):
+    """The test's own NeoX re-layout: per head, rope rows (2j, 2j+1) -> (j, j + d/2)."""
+    w = w.clone().reshape(n_heads, head_dim, -1)
+    rope = w[:, head_dim - d_rope:]
+    w[:, head_dim - d_rope:] = torch.cat([rope[:, 0::2], rope[:, 1::2]], dim=1)
+    return w.reshape(n_heads * head_dim, -1)
+
+
+def _write_independent_hf_dir(path, model):
+    """An HF directory written without the adapter: hand-made config + single safetensors file."""
+    a = ARGS
+    tensors = {}
+    for key, w in model.state_dict().items():
+        w = w.detach().clone()
+        if key.endswith("self_attn.wq_b.weight"):
+            w = _half_split_rows(w, a.num_attention_heads, a.head_dim, a.qk_rope_head_dim)
+        elif key.endswith("self_attn.wkv_a.weight"):
+            w = torch.cat([w[: a.kv_lora_rank], _half_split_rows(w[a.kv_lora_rank:], 1, a.qk_rope_head_dim,
+                                                                  a.qk_rope_head_dim)])
+        tensors[key if key.startswith("lm_head") else f"model.{key}"] = w.contiguous()
+    save_file(tensors, str(path / "model.safetensors"))
+    config = {
+        "architectures": ["Motif3ForCausalLM"], "model_type": "motif3", "vocab_size": a.vocab_size,
+        "hidden_size": a.hidden_size, "num_hidden_layers": a.num_hidden_layers,
+        "intermediate_size": a.intermediate_size, "n_dense_first_layers": a.n_dense_first_layers,
+        "num_experts": a.num_experts, "experts_top_k": a.experts_top_k, "num_shared_experts": 1,
+        "moe_intermediate_size": a.moe_intermediate_size, "num_attention_heads": a.num_attention_heads,
+        "num_key_value_heads": a.num_key_value_heads, "num_noise_heads": a.num_noise_heads,
+        "head_dim": a.head_dim, "qk_rope_head_dim": a.qk_rope_head_dim, "v_head_dim": a.v_head_dim,
+        "q_lora_rank": a.q_lora_rank, "kv_lora_rank": a.kv_lora_rank, "sliding_window": a.sliding_window,
+        "max_position_embeddings": a.max_seq_len, "diff_v2": True, "headwise_attn_output_gate": False,
+        "rope_scaling": {"type": "yarn", "factor": a.rope_factor, "beta_fast": a.beta_fast,
+                         "beta_slow": a.beta_slow, "mscale": a.mscale,
+                         "original_max_position_embeddings": a.original_seq_len},
+        "torch_dtype": "float32", "transformers_version": "5.0.0",
+    }
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_independently_written_hf_dir_loads_with_same_logits(tmp_path):
+    src, dst, ids = _model(0), _model(1), _ids()
+    _write_independent_hf_dir(tmp_path, src)
+    load_hf_checkpoint(dst, tmp_path)
+    for a, b in zip(_logits(src, ids), _logits(dst, ids)):
+        assert torch.equal(a, b)
+
+
+def test_missing_unexpected_and_misshaped_tensors_are_named(tmp_path):
+    from safetensors.torch import load_file
+
+    export_hf_checkpoint(_model(0), tmp_path, dtype=torch.float32)
+    (shard,) = sorted(tmp_path.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    del tensors["model.layers.1.self_attn.wo.weight"]
+    tensors["model.layers.0.extra.weight"] = torch.zeros(2)
+    tensors["model.norm.weight"] = torch.zeros(3)
+    save_file(tensors, str(shard))
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: shard.name for k in tensors}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError) as e:
+        load_hf_checkpoint(_model(1), tmp_path)
+    msg = str(e.value)
+    assert "model.layers.1.self_attn.wo.weight" in msg and "model.layers.0.extra.weight" in msg
+    assert "norm.weight: expected [64], found [3]" in msg
+
+
+def test_bad_config_json_file_is_named(tmp_path):
+    export_hf_checkpoint(_model(0), tmp_path, dtype=torch.float32)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["num_experts"] = 8
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="num_experts"):
+        load_hf_checkpoint(_model(1), tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json"):
+        load_hf_checkpoint(_model(1), tmp_path)

@@ -1,0 +1,128 @@
+"""Chunked linear cross-entropy, MTP target shift and global-batch loss normalisation."""
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from llm_training.trainer.losses import (
+    IGNORE_INDEX,
+    count_labelled_tokens,
+    linear_cross_entropy_sum,
+    micro_batch_loss,
+    mtp_labels,
+    shift_labels,
+)
+
+
+def _reference_ce_sum(hidden, weight, labels):
+    """Independent float64 reference: log-softmax of the full logits, summed over labelled tokens."""
+    logits = hidden.double().reshape(-1, hidden.shape[-1]) @ weight.double().t()
+    logp = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    y = labels.reshape(-1)
+    keep = y != IGNORE_INDEX
+    return -logp[keep].gather(1, y[keep][:, None]).sum()
+
+
+def _inputs(T=37, H=8, V=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.5
+    labels = torch.randint(0, V, (T,), generator=g)
+    labels[::5] = IGNORE_INDEX
+    return hidden, weight, labels
+
+
+def test_chunked_ce_matches_reference_values_and_grads():
+    hidden, weight, labels = _inputs()
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = linear_cross_entropy_sum(h1, w1, labels, chunk_tokens=6)
+    (loss * 0.7).backward()
+    h2, w2 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = _reference_ce_sum(h2, w2, labels)
+    (ref * 0.7).backward()
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h1.grad.double(), h2.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w1.grad.double(), w2.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_ce_all_ignored_chunk_and_no_grad():
+    hidden, weight, labels = _inputs(T=12)
+    labels[:6] = IGNORE_INDEX
+    with torch.no_grad():
+        loss = linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens=6)
+    torch.testing.assert_close(loss.double(), _reference_ce_sum(hidden, weight, labels), rtol=1e-5, atol=1e-5)
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """Records the largest tensor produced by any aten op (numel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_chunked_ce_never_materialises_full_logits():
+    T, H, V, chunk = 64, 8, 500, 8
+    hidden, weight, labels = _inputs(T=T, H=H, V=V)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    with _LargestAllocation() as mode:
+        linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens=chunk).backward()
+    assert mode.largest <= max(chunk * V, V * H), mode.largest  # [chunk, V] blocks and the [V, H] grad only
+    assert mode.largest < T * V
+
+
+def test_shift_labels_and_mtp_targets():
+    labels = torch.tensor([[1, 2, 3, 4, -100], [5, 6, -100, 7, 8]])
+    assert shift_labels(labels, 1).tolist() == [[2, 3, 4, -100, -100], [6, -100, 7, 8, -100]]
+    assert shift_labels(labels, 2).tolist() == [[3, 4, -100, -100, -100], [-100, 7, 8, -100, -100]]
+    assert shift_labels(labels, 7).tolist() == [[-100] * 5, [-100] * 5]
+    k1, k2 = mtp_labels(labels, 2)
+    assert torch.equal(k1, shift_labels(labels, 1)) and torch.equal(k2, shift_labels(labels, 2))
+    assert count_labelled_tokens(labels, 2).tolist() == [8.0, 6.0, 4.0]
+
+
+class _Out:
+    def __init__(self, hidden, mtp_hidden, balance):
+        self.hidden, self.mtp_hidden, self.balance_loss = hidden, mtp_hidden, balance
+
+
+def test_accumulated_normalised_loss_equals_full_batch_mean():
+    """Sum over micro-batches of micro_batch_loss == the full-batch mean CE (+ MTP mean, + mean balance),
+    in value and in gradient, with uneven labelled-token counts per micro-batch."""
+    g = torch.Generator().manual_seed(1)
+    B, S, H, V = 4, 9, 6, 30
+    hidden = torch.randn(B, S, H, generator=g)
+    mtp_h = torch.randn(B, S, H, generator=g)
+    weight = (torch.randn(V, H, generator=g) * 0.3).requires_grad_()
+    labels = torch.randint(0, V, (B, S), generator=g)
+    labels[0, 3:] = IGNORE_INDEX  # uneven counts
+    labels[:, -1] = IGNORE_INDEX
+    balance_per_mb = [torch.tensor(0.25, requires_grad=True), torch.tensor(0.75, requires_grad=True)]
+    w_mtp = 0.3
+
+    # reference: full batch, float64, plain mean over labelled tokens
+    w64 = weight.detach().double().requires_grad_()
+    ref_ce = _reference_ce_sum(hidden, w64, labels) / (labels != IGNORE_INDEX).sum()
+    y_mtp = torch.full_like(labels, IGNORE_INDEX)
+    y_mtp[:, :-1] = labels[:, 1:]
+    ref_mtp = _reference_ce_sum(mtp_h, w64, y_mtp) / (y_mtp != IGNORE_INDEX).sum()
+    ref = ref_ce + w_mtp * ref_mtp
+    ref.backward()
+
+    norms = count_labelled_tokens(labels[:2], 1) + count_labelled_tokens(labels[2:], 1)
+    total = 0.0
+    for i, sl in enumerate((slice(0, 2), slice(2, 4))):
+        out = _Out(hidden[sl], [mtp_h[sl]], balance_per_mb[i])
+        loss = micro_batch_loss(out, weight, labels[sl], norms, w_mtp, balance_scale=0.5, chunk_tokens=5)
+        loss.total.backward()
+        total += loss.total.item()
+    torch.testing.assert_close(total, ref.item() + 0.5, rtol=1e-5, atol=1e-6)  # + mean balance 0.5
+    torch.testing.assert_close(weight.grad.double(), w64.grad, rtol=1e-5, atol=1e-7)
+    assert balance_per_mb[0].grad.item() == 0.5 and balance_per_mb[1].grad.item() == 0.5
