@@ -107,7 +107,7 @@ def test_state_dict_round_trip(debug_model):
 
     resumed = copy.deepcopy(model)
     opt2 = build_optimizers(resumed, cfg)
-    opt2.load_state_dict(optim_sd)
+    opt2.load_state_dict(copy.deepcopy(optim_sd))  # a save/load gives fresh tensors (the dict aliases opt's state)
     opt2.lr_scheduler.load_state_dict(sched_sd)
     assert opt2.lr_scheduler.get_last_lr() == pytest.approx(opt.lr_scheduler.get_last_lr())
     for m, o in ((model, opt), (resumed, opt2)):
