@@ -93,6 +93,10 @@ def make_cases(experts: int, selected: set[str] | None, row_divisor: int = 1) ->
     add("fused_add_rms_norm", f"[{t}, {d}] bf16", lambda x, r, w: activation.fused_add_rms_norm(x, r, w, 1e-5),
         [_randn((t, d)), _randn((t, d), seed=3), _randn((d,), torch.float32, seed=1) + 1], (0, 1, 2),
         4 * t * d * bf16, 4 * t * d * bf16)
+    t, d = rows(8192), 4 * 4096  # mHC: RMSNorm over the n*H flattened fp32 streams
+    add("rms_norm_mhc", f"[{t}, {d}] fp32", lambda x, w: activation.rms_norm(x, w, 1e-6),
+        [_randn((t, d), torch.float32), _randn((d,), torch.float32, seed=1) + 1], (0, 1),
+        2 * t * d * 4, 3 * t * d * 4)
     return cases
 
 
@@ -157,6 +161,30 @@ def check_triton_vs_reference(case: Case, tolerance: float) -> float:
     return worst
 
 
+def time_column(case: Case, column: str, warmup: int, iters: int, copy_gbs: float) -> dict:
+    """Timings of one backend column; a failure (e.g. a compile error) is recorded, not fatal."""
+    try:
+        fn = torch.compile(case.fn) if column == "compile" else case.fn
+        with backend("triton" if column == "triton" else "torch"):
+            forward, forward_backward = runners(case, fn)
+            fwd_ms = time_ms(forward, warmup, iters)
+            fwd_bwd_ms = time_ms(forward_backward, warmup, iters)
+    except Exception as error:  # noqa: BLE001 - keep the other columns of a long GPU run
+        return {"error": f"{type(error).__name__}: {error}"[:500]}
+    total_bytes = case.bytes_fwd + case.bytes_bwd
+    return {
+        "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
+        "fwd_GBs": case.bytes_fwd / fwd_ms / 1e6, "fwd_bwd_GBs": total_bytes / fwd_bwd_ms / 1e6,
+        "fwd_bwd_frac_of_copy": total_bytes / fwd_bwd_ms / 1e6 / copy_gbs,
+    }
+
+
+def format_cell(column: str, result: dict) -> str:
+    if "error" in result:
+        return f"{column}: FAILED ({result['error'][:60]})"
+    return f"{column}: {result['fwd_ms']:7.3f} / {result['fwd_bwd_ms']:7.3f} ms ({result['fwd_bwd_GBs']:5.0f} GB/s)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/results/activation.json", help="JSON output path")
@@ -185,23 +213,10 @@ def main() -> None:
         if "triton" in columns:
             row["triton_max_rel_err"] = check_triton_vs_reference(case, args.tolerance)
         for column in columns:
-            fn = torch.compile(case.fn) if column == "compile" else case.fn
-            with backend("triton" if column == "triton" else "torch"):
-                forward, forward_backward = runners(case, fn)
-                fwd_ms = time_ms(forward, args.warmup, args.iters)
-                fwd_bwd_ms = time_ms(forward_backward, args.warmup, args.iters)
-            total_bytes = case.bytes_fwd + case.bytes_bwd
-            row[column] = {
-                "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
-                "fwd_GBs": case.bytes_fwd / fwd_ms / 1e6, "fwd_bwd_GBs": total_bytes / fwd_bwd_ms / 1e6,
-                "fwd_bwd_frac_of_copy": total_bytes / fwd_bwd_ms / 1e6 / copy_gbs,
-            }
+            row[column] = time_column(case, column, args.warmup, args.iters, copy_gbs)
             torch.cuda.empty_cache()
         rows.append(row)
-        cells = "  ".join(
-            f"{c}: {row[c]['fwd_ms']:7.3f} / {row[c]['fwd_bwd_ms']:7.3f} ms ({row[c]['fwd_bwd_GBs']:5.0f} GB/s)"
-            for c in columns
-        )
+        cells = "  ".join(format_cell(c, row[c]) for c in columns)
         print(f"{case.name:28s} {case.shape:34s} {cells}")
 
     print("\nms = forward / forward+backward; GB/s on forward+backward minimum traffic")

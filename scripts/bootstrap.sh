@@ -22,7 +22,11 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
     "$VPY" -m pip install -q "${LLM_TORCH_SPEC:-torch==2.13.0}"
   fi
   echo "[bootstrap] installing llm_training, activation, optimizer (+dev extras)"
-  "$VPY" -m pip install -q -e "$ROOT/activations" -e "$ROOT/optimizer" -e "$ROOT[dev]"
+  "$VPY" -m pip install -q -e "$ROOT/activations" -e "$ROOT[dev]"
+  # compat mode puts optimizer/ itself on sys.path; with the default (import-hook) mode, the project folder
+  # optimizer/ shadows the package as a namespace package whenever the repo root is on sys.path
+  # (python -m from the root, PYTHONPATH=<repo>, pytest).
+  "$VPY" -m pip install -q -e "$ROOT/optimizer" --config-settings editable_mode=compat
   echo "$HASH" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

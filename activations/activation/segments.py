@@ -16,12 +16,12 @@ def expert_of_row(offs_E: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 
 def segment_sum_rows(values_NK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """[E, K] in the dtype of `values_NK`: sum of the rows of `values_NK` inside each expert's range (rows >= offs[-1] ignored).
+    """[E, K] in the dtype of `values_NK`: per expert, the sum of its rows (rows >= offs[-1] ignored).
 
     Deterministic (no atomics): an fp64 prefix sum read at the segment boundaries; fp64 keeps the
     boundary differences accurate for hundreds of thousands of rows."""
-    prefix = torch.zeros(values_NK.shape[0] + 1, values_NK.shape[1], dtype=torch.float64, device=values_NK.device)
-    torch.cumsum(values_NK.double(), dim=0, out=prefix[1:])
+    cumsum = values_NK.double().cumsum(dim=0)
+    prefix = torch.cat([cumsum.new_zeros(1, values_NK.shape[1]), cumsum])  # prefix[i] = sum of rows < i
     ends_E = offs_E.long()
     starts_E = torch.cat([ends_E.new_zeros(1), ends_E[:-1]])
     return (prefix[ends_E] - prefix[starts_E]).to(values_NK.dtype)

@@ -1,10 +1,10 @@
 """Triton kernels (forward + backward) for RMSNorm / fused-add RMSNorm and dense / fused / grouped PolyNorm.
 
 Imported only on the CUDA path (it imports triton). All math is fp32; inputs/outputs keep their dtype.
-Layout: 2-D row views with unit stride along the feature dim D; one program handles one full row
-(BLOCK_D = next power of two >= D), except the RMSNorm backward, where each program walks a contiguous
-block of rows and keeps a private fp32 partial of dL/dweight (summed afterwards with torch: no atomics,
-deterministic).
+Layout: 2-D row views with unit stride along the feature dim D. RMSNorm forward: one program per row
+(BLOCK_D = next power of two >= D). RMSNorm backward: each program walks a contiguous block of rows and
+keeps a private fp32 partial of dL/dweight (summed afterwards with torch: no atomics, deterministic).
+PolyNorm: one program per row, walking the row in chunks of at most POLY_CHUNK features.
 
 PolyNorm kernels serve three ops through compile-time flags: HAS_UP (fused multiply by `up`), GROUPED
 (per-row expert index -> per-expert coefficients; rows whose index == num_experts are padding: they load
@@ -23,9 +23,12 @@ from .segments import expert_of_row
 
 
 def _launch_config(d: int) -> tuple[int, int]:
-    """(BLOCK_D, num_warps) for a row of d features: ~16-32 fp32 elements per thread."""
+    """(BLOCK_D, num_warps) for a row of d features: 16 fp32 elements per thread from 2048 features on.
+
+    Up to 32 warps (16384 features, e.g. mHC's RMSNorm over n*H) so a whole row plus the RMSNorm
+    backward's resident weight and dweight partial stay close to the register budget."""
     block_d = triton.next_power_of_2(d)
-    return block_d, max(4, min(16, block_d // 512))
+    return block_d, max(4, min(32, block_d // 512))
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,9 @@ Wrapping the kernels as custom ops makes them opaque, shape-known nodes for `tor
 break, inductor fuses around them) and gives them autograd without an `autograd.Function`. Defining the
 ops does not import triton: the kernels module is imported on the first real (non-fake) call, so this
 module is safe to import on a CPU-only machine. Entry points `rms_norm_rows` / `poly_norm_rows` mirror
-`reference.py`.
+`reference.py`. (No `from __future__ import annotations` here: the op schemas are inferred from
+the annotations.)
 """
-
-from __future__ import annotations
 
 from typing import Optional
 

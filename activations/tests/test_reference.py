@@ -23,7 +23,8 @@ def poly_norm_f64(x, weight, bias, eps, sigmoid_weight=True):
     x = x.double()
     w = weight.double()
     w = 1.0 / (1.0 + torch.exp(-w)) if sigmoid_weight else w
-    return w[0] * normalise_f64(x**3, eps) + w[1] * normalise_f64(x**2, eps) + w[2] * normalise_f64(x, eps) + bias.double()
+    terms = w[0] * normalise_f64(x**3, eps) + w[1] * normalise_f64(x**2, eps) + w[2] * normalise_f64(x, eps)
+    return terms + bias.double()
 
 
 def grouped_poly_norm_loop(x, weight, bias, offs, eps, sigmoid_weight, bias_clamp, up, output_scale):
@@ -297,7 +298,9 @@ def test_strided_gate_and_up_views_of_one_buffer():
         (lambda: activation.poly_norm(torch.randn(2, 4), torch.zeros(2), torch.zeros(1)), "`weight` must have shape"),
         (lambda: activation.rms_norm(torch.randn(2, 4), torch.ones(5), 1e-5), "`weight` must have shape"),
         (
-            lambda: activation.grouped_poly_norm(torch.randn(4, 4), torch.zeros(2, 3), torch.zeros(2, 1), torch.tensor([1.0, 4.0])),
+            lambda: activation.grouped_poly_norm(
+                torch.randn(4, 4), torch.zeros(2, 3), torch.zeros(2, 1), torch.tensor([1.0, 4.0])
+            ),
             "`offs` must be a 1-D int32/int64",
         ),
         (
@@ -324,3 +327,24 @@ def test_backend_env_override(monkeypatch):
         backend.use_triton(torch.zeros(1))
     monkeypatch.delenv("ACTIVATION_BACKEND")
     assert backend.use_triton(torch.zeros(1)) is False  # CPU tensor -> reference
+
+
+def test_public_ops_trace_under_torch_compile_without_graph_breaks():
+    """fullgraph=True: the dispatch, parameter transforms and autograd.Functions trace in one graph."""
+    offs = torch.tensor([3, 5], dtype=torch.int32)
+
+    def block(x, up, w, b, ew, eb, rw):
+        y, h = activation.fused_add_rms_norm(activation.rms_norm(x, rw, 1e-5), x, rw, 1e-5)
+        grouped = activation.grouped_poly_norm(h, ew, eb, offs, bias_clamp=0.5, up=up)
+        return activation.fused_mul_poly_norm(y, up, w, b, output_scale=0.5) + grouped + activation.poly_norm(x, w, b)
+
+    tensors = [torch.randn(s) for s in ((6, 8), (6, 8), (3,), (1,), (2, 3), (2, 1), (8,))]
+    eager_leaves = [t.clone().requires_grad_(True) for t in tensors]
+    compiled_leaves = [t.clone().requires_grad_(True) for t in tensors]
+    eager = block(*eager_leaves)
+    compiled = torch.compile(block, fullgraph=True, backend="eager")(*compiled_leaves)
+    torch.testing.assert_close(compiled, eager)
+    eager.sum().backward()
+    compiled.sum().backward()
+    for a, e in zip(compiled_leaves, eager_leaves):
+        torch.testing.assert_close(a.grad, e.grad)

@@ -25,8 +25,8 @@ pytestmark = [
 ]
 needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
 
-# (rows, features): odd row counts, Motif widths (1280 expert, 3072, 4096 hidden, 12288 dense), a non-power-of-2
-SHAPES = [(37, 1280), (19, 3072), (6, 12288), (1001, 64), (13, 100)]
+# (rows, features): odd row counts, Motif widths (1280 expert, 12288 dense, 16384 = mHC n*H), non-powers of 2
+SHAPES = [(37, 1280), (19, 3072), (6, 12288), (4, 16384), (1001, 64), (13, 100)]
 if INTERPRETED:
     SHAPES = [(37, 1280), (6, 12288), (130, 64), (13, 100)]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -99,7 +99,9 @@ def test_fused_mul_poly_norm(monkeypatch, shape, dtype):
     gate, up = _rand(shape, dtype, scale=2.0), _rand(shape, dtype, seed=5)
     w, b = _rand((3,), torch.float32, seed=3), _rand((1,), torch.float32, seed=4)
     _compare(
-        monkeypatch, lambda g, u, w, b: activation.fused_mul_poly_norm(g, u, w, b, output_scale=0.5), dtype, gate, up, w, b
+        monkeypatch,
+        lambda g, u, w, b: activation.fused_mul_poly_norm(g, u, w, b, output_scale=0.5),
+        dtype, gate, up, w, b,
     )
 
 

@@ -11,6 +11,10 @@ continues with exactly the batches the uninterrupted run would have produced. Th
 position, counters and, for the rows being packed and rows closed but not yet emitted, the (epoch, position)
 of each document, which are re-read and re-tokenized on load (small state even at 256K seq_len).
 
+Iterating the loader (`next(loader)`) prepares `prefetch_batches` batches ahead in a background thread (the
+tokenizer releases the GIL) and keeps, with each batch, a snapshot of the state after it, so `state_dict()`
+still describes the last batch returned. `next_batch()` computes one batch in the calling thread.
+
 Bad records (malformed JSON, missing conversations, unknown role, non-string content, no assistant turn):
 `bad_record_policy="fail"` raises `BadRecordError` naming file:line and the reason; "skip" counts them, logs
 the first few with file:line and a summary per epoch. Either way the loader raises when more than
@@ -20,7 +24,10 @@ whole epoch of a rank's shard yields nothing trainable.
 
 from __future__ import annotations
 
+import copy
 import logging
+import queue
+import threading
 from collections import deque
 
 import numpy as np
@@ -68,6 +75,7 @@ class ChatDataLoader:
         max_bad_fraction: float = 0.01,
         dp_rank: int = 0,
         dp_world_size: int = 1,
+        prefetch_batches: int = 2,
     ):
         _check_choice("[huggingface_dataset] packing", packing, PACKING_MODES)
         _check_choice("[huggingface_dataset] overlong", overlong, OVERLONG_MODES)
@@ -75,7 +83,9 @@ class ChatDataLoader:
         if not 0.0 <= max_bad_fraction <= 1.0:
             raise ValueError(f"[huggingface_dataset] max_bad_fraction must be in [0, 1], got {max_bad_fraction}")
         if seq_len < 2 or local_batch_size < 1:
-            raise ValueError(f"[training] seq_len must be >= 2 and local_batch_size >= 1, got {seq_len}, {local_batch_size}")
+            raise ValueError(
+                f"[training] seq_len must be >= 2 and local_batch_size >= 1, got {seq_len}, {local_batch_size}"
+            )
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_world_size={dp_world_size})")
         self.records = records
@@ -101,6 +111,9 @@ class ChatDataLoader:
         self.ready_rows: deque[list[Document]] = deque()
         self._shards: dict[int, np.ndarray] = {}
         self._ahead: deque[tuple] = deque()  # processed records for positions [position, position + len)
+        self.prefetch_batches = prefetch_batches
+        self._prefetcher: _Prefetcher | None = None
+        self._delivered_state: dict = {}
 
     def _check_sizes(self) -> None:
         for file in self.records.empty_files:
@@ -146,9 +159,13 @@ class ChatDataLoader:
                 outcomes.append(("bad", location, bad.reason))
         for slot, chat in zip(slots, self.chat.tokenize(pieces)):
             doc, truncated = fit_document(chat, self.seq_len, self.overlong)
+            location = outcomes[slot][1]
+            if doc is None and not truncated:
+                outcomes[slot] = ("bad", location, "no trained token (the target is the first token of the render)")
+                continue
             if doc is not None:
                 doc.source = (epoch, positions[slot])
-            outcomes[slot] = ("doc", outcomes[slot][1], doc, truncated)
+            outcomes[slot] = ("doc", location, doc, truncated)
         return outcomes
 
     def _read_ahead(self) -> None:
@@ -227,7 +244,8 @@ class ChatDataLoader:
         self._check_bad_fraction()
         if self.epoch_documents == 0:
             raise BadRecordError(
-                f"nothing trainable: a whole epoch of data rank {self.dp_rank}'s shard ({len(self._shard(self.epoch))} records) "
+                f"nothing trainable: a whole epoch of data rank {self.dp_rank}'s shard "
+                f"({len(self._shard(self.epoch))} records) "
                 f"gave no sample ({c['bad_records']} bad, {c['overlong_dropped']} over-long dropped so far); "
                 "check the data, [training] seq_len and [huggingface_dataset] overlong"
             )
@@ -236,21 +254,48 @@ class ChatDataLoader:
         self.epoch_documents = 0
         c["epochs_completed"] += 1
 
-    def next_batch(self) -> dict[str, torch.Tensor]:
+    def _next_batch_now(self) -> dict[str, torch.Tensor]:
         while len(self.ready_rows) < self.batch_size:
             self.ready_rows.extend(self.packer.add(self._next_document()))
         rows = [self.ready_rows.popleft() for _ in range(self.batch_size)]
         self.counters["rows"] += len(rows)
         return collate_rows(rows, self.seq_len, self.chat.pad_id)
 
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """The next batch, computed in the calling thread (do not mix with iterating the loader)."""
+        if self._prefetcher is not None:
+            raise RuntimeError("next_batch() while the loader is being iterated with prefetching; use next(loader)")
+        return self._next_batch_now()
+
     def __iter__(self):
-        while True:
-            yield self.next_batch()
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        """The next batch; with `prefetch_batches` > 0 a background thread prepares batches ahead."""
+        if self.prefetch_batches == 0:
+            return self._next_batch_now()
+        if self._prefetcher is None:
+            self._delivered_state = self._state_now()
+            self._prefetcher = _Prefetcher(self._produce, self.prefetch_batches)
+        batch, self._delivered_state = self._prefetcher.get()
+        return batch
+
+    def _produce(self) -> tuple[dict[str, torch.Tensor], dict]:
+        batch = self._next_batch_now()
+        return batch, self._state_now()
+
+    def close(self) -> None:
+        """Stop the prefetch thread (iteration restarts it); the state stays that of the last batch returned."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+            self.load_state_dict(self._delivered_state)
 
     @property
     def stats(self) -> dict[str, int]:
-        """Cumulative counters of this rank (records seen, bad, over-long, documents, tokens, ...)."""
-        return dict(self.counters, epoch=self.epoch)
+        """Cumulative counters of this rank up to the last batch returned (records seen, bad, over-long, ...)."""
+        state = self.state_dict()
+        return dict(state["counters"], epoch=state["epoch"])
 
     # ---- state --------------------------------------------------------------------------------------------
     def _fingerprint(self) -> dict:
@@ -262,6 +307,11 @@ class ChatDataLoader:
 
     def state_dict(self) -> dict:
         """Plain-Python (picklable, JSON-serializable) state after the last batch returned."""
+        if self._prefetcher is not None:
+            return copy.deepcopy(self._delivered_state)
+        return self._state_now()
+
+    def _state_now(self) -> dict:
         return {
             "version": STATE_VERSION,
             "fingerprint": self._fingerprint(),
@@ -277,6 +327,9 @@ class ChatDataLoader:
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"data loader state version {state.get('version')} != {STATE_VERSION}")
+        if self._prefetcher is not None:  # batches prepared ahead belong to the old position
+            self._prefetcher.close()
+            self._prefetcher = None
         mine = self._fingerprint()
         for key, value in state["fingerprint"].items():
             if mine.get(key) != value:
@@ -294,6 +347,46 @@ class ChatDataLoader:
         self.ready_rows = deque(self._documents_at(row) for row in state["ready_rows"])
 
 
+class _Prefetcher:
+    """Calls `produce()` in a daemon thread, up to `depth` results ahead; `get()` returns them in order and
+    re-raises an exception of `produce()` where it happened in the sequence (and on every later call)."""
+
+    def __init__(self, produce, depth: int):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(produce,), daemon=True, name="chat-data-prefetch")
+        self._thread.start()
+
+    def _run(self, produce) -> None:
+        while not self._stop.is_set():
+            try:
+                item = (produce(), None)
+            except BaseException as exc:  # handed to the consumer, raised there
+                item = (None, exc)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.05)
+                    break
+                except queue.Full:
+                    continue
+            if item[1] is not None:
+                return
+
+    def get(self):
+        if self._error is not None:
+            raise self._error
+        value, error = self._queue.get()
+        if error is not None:
+            self._error = error
+            raise error
+        return value
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{key} = {value!r}; expected one of {list(choices)}")
@@ -307,7 +400,7 @@ def build_dataloader(job_config, tokenizer, dp_rank: int, dp_world_size: int) ->
     if hf.streaming:
         # Records are always streamed from disk (jsonl through a line-offset index, save_to_disk as memory-mapped
         # arrow) and tokenized lazily, so `streaming` selects no other path.
-        logger.info("data: records are always read lazily from disk; [huggingface_dataset] streaming has no extra effect")
+        logger.info("data: records are always read lazily from disk; [huggingface_dataset] streaming adds nothing")
     records = open_records(training.dataset_path, hf.conversations_field, hf.split)
     return ChatDataLoader(
         records,

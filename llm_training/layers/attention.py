@@ -89,12 +89,55 @@ class GDLAttention(nn.Module):
                                       document_ids=document_ids_BS, record_max_logits=self.record_max_logits)
         self.max_logits = max_logits.detach().float() if max_logits is not None else None
 
-        # Grouped differential combination: [S, n_noise, r + 1, d_v] -> signal - lambda * noise.
-        out = out.view(B, S, self.n_noise, self.r + 1, self.d_v)
-        signal, noise = out[:, :, :, : self.r], out[:, :, :, self.r :]
         lam = torch.sigmoid(F.linear(x_BSH.float(), self.lambda_proj.weight.float()))  # fp32 [B, S, n_sig]
-        y = signal - lam.view(B, S, self.n_noise, self.r, 1) * noise  # fp32 (lambda promotes)
-        if self.wq_b_gate is not None:
-            gate = torch.sigmoid(self.wq_b_gate(c_q).float()).view(B, S, self.n_noise, self.r, self.d_v)
-            y = y * gate
+        gate_logits = self.wq_b_gate(c_q) if self.wq_b_gate is not None else None
+        y = grouped_differential(out.view(B, S, self.n_noise, self.r + 1, self.d_v),
+                                 lam.view(B, S, self.n_noise, self.r), gate_logits)
         return self.wo(y.reshape(B, S, self.n_sig * self.d_v).to(x_BSH.dtype))
+
+
+def grouped_differential(out_BSGPD: torch.Tensor, lam_BSGR: torch.Tensor,
+                         gate_logits: Optional[torch.Tensor]) -> torch.Tensor:
+    """Per group g of P = r + 1 heads (r signal, then 1 noise): y_j = (O_j - lam_j O_noise) * sigmoid(gate_j),
+    computed in fp32, returned in the attention output's dtype as [B, S, G, r, D]. `gate_logits` is the
+    [B, S, G*r*D] output of wq_b_gate (None: no gate)."""
+    return _GroupedDifferential.apply(out_BSGPD, lam_BSGR, gate_logits)
+
+
+class _GroupedDifferential(torch.autograd.Function):
+    """Saves the attention output, lambda and the gate logits as they are (bf16 / fp32) and recomputes
+    the fp32 difference and sigmoid in backward, instead of keeping fp32 [B, S, n_sig, d_v] temporaries."""
+
+    @staticmethod
+    def _parts(out, lam, gate_logits):
+        r, ct = lam.shape[-1], torch.promote_types(out.dtype, torch.float32)
+        signal, noise = out[:, :, :, :r].to(ct), out[:, :, :, r:].to(ct)
+        y = signal - lam.to(ct).unsqueeze(-1) * noise
+        gate = None
+        if gate_logits is not None:
+            gate = torch.sigmoid(gate_logits.to(ct)).view(y.shape)
+        return noise, y, gate
+
+    @staticmethod
+    def forward(ctx, out, lam, gate_logits):
+        ctx.save_for_backward(out, lam, gate_logits)
+        _, y, gate = _GroupedDifferential._parts(out, lam, gate_logits)
+        return (y if gate is None else y * gate).to(out.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_BSGRD):
+        out, lam, gate_logits = ctx.saved_tensors
+        noise, y, gate = _GroupedDifferential._parts(out, lam, gate_logits)
+        g = grad_BSGRD.to(y.dtype)
+        d_gate_logits = None
+        if gate is not None:
+            if ctx.needs_input_grad[2]:
+                d_gate_logits = (g * y * gate * (1 - gate)).reshape(gate_logits.shape).to(gate_logits.dtype)
+            g = g * gate
+        d_out = d_lam = None
+        if ctx.needs_input_grad[0]:
+            d_noise = -(lam.to(g.dtype).unsqueeze(-1) * g).sum(dim=3, keepdim=True)
+            d_out = torch.cat([g, d_noise], dim=3).to(out.dtype)
+        if ctx.needs_input_grad[1]:
+            d_lam = -(g * noise).sum(dim=-1).to(lam.dtype)
+        return d_out, d_lam, d_gate_logits

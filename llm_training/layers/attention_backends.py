@@ -27,19 +27,21 @@ AttentionKernel = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 # ---------------------------------------------------------------------------------------- masks
 def visibility_mask(
-    q_len: int, k_len: int, device: torch.device, *, q_offset: int = 0, window: Optional[int],
+    queries: range, keys: range, device: torch.device, *, window: Optional[int],
     document_ids_BS: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    """Boolean [B or 1, 1, q_len, k_len] mask, True = visible, for queries q_offset.. and keys 0..k_len."""
-    qi = torch.arange(q_offset, q_offset + q_len, device=device)[:, None]
-    kj = torch.arange(k_len, device=device)[None, :]
+    """Boolean [B or 1, 1, len(queries), len(keys)] mask (True = visible) for absolute query positions
+    `queries` and key positions `keys` (both step-1 ranges)."""
+    qi = torch.arange(queries.start, queries.stop, device=device)[:, None]
+    kj = torch.arange(keys.start, keys.stop, device=device)[None, :]
     mask = kj <= qi
     if window is not None:
         mask = mask & (kj >= qi - window)
     mask = mask[None, None]
     if document_ids_BS is not None:
-        dq = document_ids_BS[:, q_offset : q_offset + q_len]
-        mask = mask & (dq[:, None, :, None] == document_ids_BS[:, None, None, :k_len])
+        dq = document_ids_BS[:, queries.start : queries.stop]
+        dk = document_ids_BS[:, keys.start : keys.stop]
+        mask = mask & (dq[:, None, :, None] == dk[:, None, None, :])
     return mask
 
 
@@ -50,24 +52,26 @@ def _repeat_kv(x_BSKD: torch.Tensor, n_rep: int) -> torch.Tensor:
 @torch.no_grad()
 def chunked_max_logits(
     q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, *, scale: float, window: Optional[int],
-    document_ids: Optional[torch.Tensor], chunk_elems: int = 1 << 26,
+    document_ids: Optional[torch.Tensor], block_elems: int = 1 << 27, query_chunk: int = 1024,
 ) -> torch.Tensor:
-    """Per-query-head max of the scaled logits over visible pairs, in query chunks (never all of
-    [B, H, S, S] at once; with a window only the keys in [i0 - W, i1] are scored). fp32 [Hq]."""
+    """Per-query-head max of the scaled logits over visible pairs, fp32 [Hq], as a side computation:
+    query chunks x key chunks of at most `block_elems` logits each (never [B, H, S, S] at once), keys
+    limited to the causal / window range of each query chunk. Matmul in the input dtype, max in fp32."""
     B, S, Hq, _ = q_BSHD.shape
-    n_rep = Hq // k_BSKD.shape[2]
-    k_BHSD = _repeat_kv(k_BSKD, n_rep).transpose(1, 2)
+    k_BHSD = _repeat_kv(k_BSKD, Hq // k_BSKD.shape[2]).transpose(1, 2)
     q_BHSD = q_BSHD.transpose(1, 2)
-    chunk = max(1, min(S, chunk_elems // max(1, B * Hq * (S if window is None else window + 1))))
     best = torch.full((Hq,), float("-inf"), device=q_BSHD.device, dtype=torch.float32)
-    for i0 in range(0, S, chunk):
-        i1 = min(S, i0 + chunk)
-        j0 = 0 if window is None else max(0, i0 - window)
-        logits = (q_BHSD[:, :, i0:i1] @ k_BHSD[:, :, j0:i1].transpose(-1, -2)).float() * scale
-        mask = visibility_mask(i1 - i0, i1 - j0, q_BSHD.device, q_offset=i0 - j0, window=window,
-                               document_ids_BS=None if document_ids is None else document_ids[:, j0:i1])
-        logits = logits.masked_fill(~mask, float("-inf"))
-        best = torch.maximum(best, logits.amax(dim=(0, 2, 3)))
+    cq = min(S, query_chunk)
+    ck = max(cq, block_elems // max(1, B * Hq * cq))
+    for i0 in range(0, S, cq):
+        i1 = min(S, i0 + cq)
+        k_lo = 0 if window is None else max(0, i0 - window)
+        for j0 in range(k_lo, i1, ck):
+            j1 = min(i1, j0 + ck)
+            logits = (q_BHSD[:, :, i0:i1] @ k_BHSD[:, :, j0:j1].transpose(-1, -2)).float() * scale
+            mask = visibility_mask(range(i0, i1), range(j0, j1), q_BSHD.device, window=window,
+                                   document_ids_BS=document_ids)
+            best = torch.maximum(best, logits.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
     return best
 
 
@@ -79,7 +83,7 @@ def reference_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, 
     k = _repeat_kv(k_BSKD, Hq // Hkv).float().transpose(1, 2)
     v = _repeat_kv(v_BSKE, Hq // Hkv).float().transpose(1, 2)
     S = q.shape[2]
-    mask = visibility_mask(S, S, q.device, window=window, document_ids_BS=document_ids)
+    mask = visibility_mask(range(S), range(S), q.device, window=window, document_ids_BS=document_ids)
     logits = (q @ k.transpose(-1, -2)) * scale
     logits = logits.masked_fill(~mask, float("-inf"))
     max_logits = logits.detach().amax(dim=(0, 2, 3)) if record_max_logits else None
@@ -87,26 +91,28 @@ def reference_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, 
     return out.transpose(1, 2).to(q_BSHD.dtype), max_logits
 
 
-def _sdpa_backend_order():
-    """On CUDA put cuDNN first: torch's default order (flash, efficient, math, cuDNN) has no flash or
-    efficient kernel for qk 192 / v 128 and would land on the math kernel (model-spec dependencies.md)."""
+def _fused_sdpa_only():
+    """SDPA restricted to the fused CUDA kernels. torch's priority order is flash, efficient, math, cuDNN:
+    flash/efficient have no kernel for qk 192 / v 128, so without this the math kernel (materialised
+    [S, S] scores) would win over cuDNN (dependencies.md). No `set_priority`, which torch.compile may
+    not trace; excluding MATH is enough for cuDNN to be picked."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-             SDPBackend.MATH]
-    return sdpa_kernel(order, set_priority=True)
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
 
 
 def sdpa_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, record_max_logits):
-    """torch SDPA: `is_causal` when there is neither a window nor documents (cuDNN first on GPU),
-    else an explicit boolean mask. GQA through `enable_gqa` (torch >= 2.5; our floor is 2.11)."""
+    """torch SDPA: `is_causal` when there is neither a window nor documents (fused kernels only on CUDA:
+    cuDNN for the GDLA shape), else an explicit boolean mask (whatever kernel torch picks).
+    GQA through `enable_gqa` (torch >= 2.5; our floor is 2.11)."""
     q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKE))
-    mask = None
-    if window is not None or document_ids is not None:
-        mask = visibility_mask(q.shape[2], q.shape[2], q.device, window=window, document_ids_BS=document_ids)
-    with (_sdpa_backend_order() if q.is_cuda else contextlib.nullcontext()):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                             enable_gqa=True)
+    if window is None and document_ids is None:
+        with (_fused_sdpa_only() if q.is_cuda else contextlib.nullcontext()):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        S = q.shape[2]
+        mask = visibility_mask(range(S), range(S), q.device, window=window, document_ids_BS=document_ids)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     max_logits = None
     if record_max_logits:
         max_logits = chunked_max_logits(q_BSHD, k_BSKD, scale=scale, window=window, document_ids=document_ids)
@@ -120,6 +126,7 @@ _flex_mask_cache: dict = {"document_ids": None, "masks": {}}
 _compiled_flex = None
 
 
+@torch.compiler.disable  # mask building + the Python cache stay eager inside a compiled block
 def _flex_block_mask(document_ids, window, B, S, device):
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -143,7 +150,8 @@ def _flex_block_mask(document_ids, window, B, S, device):
 
 
 def flex_attention_kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, record_max_logits):
-    """FlexAttention with a causal + sliding-window + document block mask (compiled on CUDA)."""
+    """FlexAttention with a causal + sliding-window + document block mask (compiled on CUDA; on CPU torch
+    runs it unfused and forward-only, which is enough for the tests)."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 

@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from llm_training.layers.norms import RMSNorm
 
@@ -77,7 +78,16 @@ class MHC(nn.Module):
                 self.bias_res.normal_(0.0, 0.1)
 
     def coefficients(self, x_BSnH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """h_pre [B, S, n], h_post [B, S, n], H_res [B, S, n, n], all fp32."""
+        """h_pre [B, S, n], h_post [B, S, n], H_res [B, S, n, n], all fp32.
+
+        When autograd records, the computation is checkpointed (recomputed in backward): it is cheap
+        (an [nH -> 2n + n^2] projection and n x n Sinkhorn steps) but would otherwise keep fp32 copies of
+        the whole stream tensor and every Sinkhorn iterate alive (model-spec §4.2 "recompute")."""
+        if torch.is_grad_enabled():
+            return checkpoint(self._coefficients, x_BSnH, use_reentrant=False)
+        return self._coefficients(x_BSnH)
+
+    def _coefficients(self, x_BSnH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         flat = self.norm(x_BSnH.flatten(-2).float())  # fp32 [B, S, nH]
         p = F.linear(flat, self.proj_pre.weight.float())
         q = F.linear(flat, self.proj_post.weight.float())
@@ -91,11 +101,56 @@ class MHC(nn.Module):
     @staticmethod
     def collapse(x_BSnH: torch.Tensor, h_pre_BSn: torch.Tensor) -> torch.Tensor:
         """sum_i h_pre[i] X[i] in fp32, returned in X's dtype: [B, S, H]."""
-        return torch.einsum("bsn,bsnh->bsh", h_pre_BSn, x_BSnH.float()).to(x_BSnH.dtype)
+        return _CollapseStreams.apply(x_BSnH, h_pre_BSn)
 
     @staticmethod
     def update(x_BSnH: torch.Tensor, h_res_BSnn: torch.Tensor, h_post_BSn: torch.Tensor,
                y_BSH: torch.Tensor) -> torch.Tensor:
         """X'[i] = sum_j H_res[i, j] X[j] + h_post[i] y, fp32 inside, X's dtype out."""
-        mixed = torch.einsum("bsij,bsjh->bsih", h_res_BSnn, x_BSnH.float())
-        return (mixed + h_post_BSn.unsqueeze(-1) * y_BSH.float().unsqueeze(-2)).to(x_BSnH.dtype)
+        return _MixStreams.apply(x_BSnH, h_res_BSnn, h_post_BSn, y_BSH)
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+class _CollapseStreams(torch.autograd.Function):
+    """u = sum_i h[i] X[i] computed in fp32; saves X in its own dtype (no fp32 copy kept for backward)."""
+
+    @staticmethod
+    def forward(ctx, x_BSnH, h_BSn):
+        ctx.save_for_backward(x_BSnH, h_BSn)
+        ct = _compute_dtype(x_BSnH)
+        return torch.einsum("bsn,bsnh->bsh", h_BSn.to(ct), x_BSnH.to(ct)).to(x_BSnH.dtype)
+
+    @staticmethod
+    def backward(ctx, g_BSH):
+        x, h = ctx.saved_tensors
+        ct = _compute_dtype(x)
+        g = g_BSH.to(ct)
+        dx = (h.to(ct).unsqueeze(-1) * g.unsqueeze(-2)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dh = torch.einsum("bsh,bsnh->bsn", g, x.to(ct)).to(h.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dh
+
+
+class _MixStreams(torch.autograd.Function):
+    """X'[i] = sum_j H[i, j] X[j] + p[i] y computed in fp32; saves X and y in their own dtype."""
+
+    @staticmethod
+    def forward(ctx, x_BSnH, h_res_BSnn, h_post_BSn, y_BSH):
+        ctx.save_for_backward(x_BSnH, h_res_BSnn, h_post_BSn, y_BSH)
+        ct = _compute_dtype(x_BSnH)
+        mixed = torch.einsum("bsij,bsjh->bsih", h_res_BSnn.to(ct), x_BSnH.to(ct))
+        return (mixed + h_post_BSn.to(ct).unsqueeze(-1) * y_BSH.to(ct).unsqueeze(-2)).to(x_BSnH.dtype)
+
+    @staticmethod
+    def backward(ctx, g_BSnH):
+        x, h_res, h_post, y = ctx.saved_tensors
+        ct = _compute_dtype(x)
+        g = g_BSnH.to(ct)
+        need = ctx.needs_input_grad
+        dx = torch.einsum("bsij,bsih->bsjh", h_res.to(ct), g).to(x.dtype) if need[0] else None
+        dh_res = torch.einsum("bsih,bsjh->bsij", g, x.to(ct)).to(h_res.dtype) if need[1] else None
+        dh_post = torch.einsum("bsih,bsh->bsi", g, y.to(ct)).to(h_post.dtype) if need[2] else None
+        dy = torch.einsum("bsi,bsih->bsh", h_post.to(ct), g).to(y.dtype) if need[3] else None
+        return dx, dh_res, dh_post, dy

@@ -68,6 +68,8 @@ def grouped_mm_supported(x_NK: torch.Tensor, *weights_EOK: torch.Tensor) -> bool
     on CUDA only bf16 on SM90+; every non-unit stride a multiple of 16 bytes (the kernel's alignment rule)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    if torch.compiler.is_compiling() and x_NK.dtype != torch.bfloat16:
+        return False  # the op's fake-tensor rule only accepts bf16
     if x_NK.is_cuda:
         if x_NK.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x_NK.device)[0] < 9:
             return False
@@ -190,7 +192,8 @@ class MoE(nn.Module):
         flat_ids = expert_ids_TK.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert, token order kept inside
         token_of_row = order // self.top_k
-        tokens_per_expert = torch.bincount(flat_ids, minlength=self.num_experts)
+        tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long, device=flat_ids.device).scatter_add_(
+            0, flat_ids, torch.ones_like(flat_ids))  # static shape (compile-friendly), unlike bincount
         x_rows = x_TH[token_of_row]
         row_weight = weights_TK.reshape(-1)[order]  # fp32 [T*K]
         if self.score_before_experts:

@@ -55,19 +55,22 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 class ParallelizedModel:
     """What parallelize_motif did, and the step-time duty it leaves: syncing the replicated grads."""
 
+    model: nn.Module
     fsdp: bool
-    replicated_params: list[nn.Parameter] = field(default_factory=list)
+    # FQNs, not Parameter objects: `to_empty` / loading may replace the Parameter objects.
+    replicated_param_names: list[str] = field(default_factory=list)
     grad_group: object = None  # process group over all ranks that see different data
 
     def sync_replicated_grads(self) -> None:
         """All-reduce (SUM) the grads of the non-FSDP (replicated fp32) parameters in one flat buffer."""
-        if not self.fsdp or not self.replicated_params:
+        if not self.fsdp or not self.replicated_param_names:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.replicated_params]
+        params = [self.model.get_parameter(name) for name in self.replicated_param_names]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1).float() for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.grad_group)
         offset = 0
-        for p, g in zip(self.replicated_params, grads):
+        for p, g in zip(params, grads):
             n = g.numel()
             p.grad = flat[offset : offset + n].view_as(g).to(p.dtype)
             offset += n
@@ -108,8 +111,8 @@ def apply_activation_checkpointing(block: nn.Module, mode: str) -> None:
     block.forward = forward
 
 
-def fp32_params(model: nn.Module) -> list[nn.Parameter]:
-    return [p for name, p in model.named_parameters() if is_fp32_key(name)]
+def fp32_param_names(model: nn.Module) -> list[str]:
+    return [name for name, _ in model.named_parameters() if is_fp32_key(name)]
 
 
 def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch.device) -> ParallelizedModel:
@@ -133,7 +136,7 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
                 "bf16 mixed precision on CUDA needs torch.distributed initialised (FSDP2 provides it, even on one "
                 "GPU): launch with torchrun, or set training.mixed_precision_param = 'float32'"
             )
-        return ParallelizedModel(fsdp=False)
+        return ParallelizedModel(model, fsdp=False)
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -148,8 +151,8 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
         )
     else:
         mp = MixedPrecisionPolicy()  # fp32 on CPU / gloo
-    replicated = fp32_params(model)
-    ignored = set(replicated)
+    replicated = fp32_param_names(model)
+    ignored = {model.get_parameter(name) for name in replicated}
     for block in blocks(model):
         fully_shard(block, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored & set(block.parameters()))
     fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored)
@@ -157,4 +160,4 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
         if hasattr(module, "set_gradient_divide_factor") and hasattr(module, "set_force_sum_reduction_for_comms"):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    return ParallelizedModel(fsdp=True, replicated_params=replicated, grad_group=dist.group.WORLD)
+    return ParallelizedModel(model, fsdp=True, replicated_param_names=replicated, grad_group=dist.group.WORLD)

@@ -192,8 +192,8 @@ class Trainer:
         self.model.init_weights(buffer_device=self.device)
         self.model.train()
 
-        built = build_optimizers(self.model, c)
-        self.optimizers, self.lr_scheduler = built if isinstance(built, tuple) else (built, built.lr_scheduler)
+        self.optimizers = build_optimizers(self.model, c)  # Muon + AdamW container with .lr_scheduler
+        self.lr_scheduler = self.optimizers.lr_scheduler
         self.qk_clip_threshold = c.optimizer.qk_clip_threshold
         self.model.set_record_max_logits(self.qk_clip_threshold > 0)
 
@@ -292,7 +292,7 @@ class Trainer:
                 from llm_training.trainer.optim import apply_qk_clip
 
                 clipped = apply_qk_clip(self.model, self.qk_clip_threshold, dist.group.WORLD if dist.is_initialized() else None)
-                qk_events = int(getattr(clipped, "num_clipped_heads", clipped) or 0)
+                qk_events = clipped.num_clipped_heads
             if tokens_per_expert:
                 from llm_training.layers.moe import update_expert_bias
 

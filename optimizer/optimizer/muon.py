@@ -148,6 +148,15 @@ class Muon(torch.optim.Optimizer):
             p_local.mul_(1.0 - lr * wd)
         p_local.add_(ortho.to(p_local.dtype), alpha=-lr * update_scale(rows, cols))
 
+    def init_state(self) -> None:
+        """Create the zero momentum buffers of every parameter without stepping. DCP's
+        `set/get_optimizer_state_dict` would otherwise initialise state with a full zero-grad step
+        (every NS and all-to-all of a real step)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):

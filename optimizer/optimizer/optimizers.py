@@ -45,12 +45,16 @@ class OptimizersContainer:
             opt.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
+        if self.muon is not None:
+            self.muon.init_state()  # cheap; spares DCP's zero-grad warm-up step (see Muon.init_state)
         merged: dict = {}
         for opt in self.optimizers:
             merged.update(get_optimizer_state_dict(self.model, opt, options=_FLAT))
         return merged
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if self.muon is not None:
+            self.muon.init_state()
         for opt in self.optimizers:
             set_optimizer_state_dict(self.model, opt, optim_state_dict=state_dict, options=_FLAT)
 

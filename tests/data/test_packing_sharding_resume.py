@@ -162,3 +162,43 @@ def test_first_fit_packer_rule():
     assert [[doc.input_ids[0] for doc in row] for row in emitted] == [[0, 2], [1, 4], [5]]
     assert [[doc.input_ids[0] for doc in row] for row in packer.open_rows] == [[3, 6]]
     assert RowPacker(seq_len=10, pack=False).add(Document([1] * 3, [IGNORE] * 3))[0][0].input_ids == [1, 1, 1]
+
+
+def test_prefetched_iteration_matches_and_checkpoints_exactly(tmp_path, hf_tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", _long_and_short_samples())
+    kwargs = dict(seq_len=48, local_batch_size=2, shuffle=True, shuffle_seed=1)
+    sync = make_loader(path, hf_tokenizer, prefetch_batches=0, **kwargs)
+    expected, expected_states = [], []
+    for _ in range(12):
+        expected.append(next(sync))
+        expected_states.append(sync.state_dict())
+    loader = make_loader(path, hf_tokenizer, prefetch_batches=3, **kwargs)
+    for k in range(6):
+        batch = next(loader)
+        assert all(torch.equal(batch[key], expected[k][key]) for key in batch)
+        assert loader.state_dict() == expected_states[k]  # the thread is ahead, the state is not
+    with pytest.raises(RuntimeError, match="use next"):
+        loader.next_batch()
+    loader.close()
+    for k in range(6, 9):
+        batch = next(loader)  # restarts the thread from the state of the last batch returned
+        assert all(torch.equal(batch[key], expected[k][key]) for key in batch)
+    loader.load_state_dict(expected_states[2])
+    assert all(torch.equal(next(loader)[key], expected[3][key]) for key in expected[3])
+    loader.close()
+
+
+def test_prefetch_raises_errors_in_order(tmp_path, hf_tokenizer):
+    from llm_training.data import BadRecordError
+
+    lines = numbered_samples(12)
+    lines[9] = "{broken"
+    path = write_jsonl(tmp_path / "d.jsonl", lines)
+    loader = make_loader(path, hf_tokenizer, packing="pad", local_batch_size=1, bad_record_policy="fail",
+                         prefetch_batches=4)
+    for _ in range(9):
+        next(loader)
+    for _ in range(2):  # raised where it happened, and again on a later call
+        with pytest.raises(BadRecordError, match=rf"{path}:10: malformed JSON"):
+            next(loader)
+    loader.close()

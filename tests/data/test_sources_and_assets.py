@@ -40,7 +40,8 @@ def test_jsonl_and_save_to_disk_give_the_same_batches(tmp_path, hf_tokenizer):
     samples = _samples()
     jsonl = write_jsonl(tmp_path / "d.jsonl", samples)
     datasets.Dataset.from_list(samples).save_to_disk(str(tmp_path / "ds"))
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(samples[:5]), "validation": datasets.Dataset.from_list(samples)}).save_to_disk(str(tmp_path / "dsd"))
+    splits = {"train": datasets.Dataset.from_list(samples[:5]), "validation": datasets.Dataset.from_list(samples)}
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dsd"))
     kwargs = dict(seq_len=64, local_batch_size=2, shuffle=True, shuffle_seed=5, dp_rank=1, dp_world_size=2,
                   max_bad_fraction=1.0)
     reference = _batches(make_loader(jsonl, hf_tokenizer, **kwargs), 12)

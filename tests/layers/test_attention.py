@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llm_training.layers.attention import GDLAttention
-from llm_training.layers.attention_backends import ATTENTION_BACKENDS, get_attention_backend
+from llm_training.layers.attention_backends import ATTENTION_BACKENDS, chunked_max_logits, get_attention_backend
 from llm_training.layers.rope import RotaryEmbedding, plain_inv_freq
 from llm_training.motif import get_flavor
 
@@ -171,3 +171,30 @@ def test_gdla_sdpa_equals_reference_and_records_max_logits():
     torch.testing.assert_close(sdpa(x, pos, docs), ref(x, pos, docs), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(sdpa.max_logits, ref.max_logits, atol=1e-5, rtol=1e-5)
     assert ref.max_logits.shape == (args.num_attention_heads,) and ref.max_logits.dtype == torch.float32
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_chunked_max_logits_with_small_blocks(qkv, window):
+    """Many tiny query x key blocks (block boundaries inside documents and windows) give the same max."""
+    q, k, v, docs = qkv
+    _, want = loop_attention(q, k, v, 0.5, window, docs)
+    got = chunked_max_logits(q, k, scale=0.5, window=window, document_ids=docs, block_elems=1, query_chunk=5)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_gate", [True, False])
+def test_grouped_differential_gradients(with_gate):
+    """The memory-saving combination Function: gradcheck in float64 and agreement with a direct formula."""
+    from llm_training.layers.attention import grouped_differential
+
+    torch.manual_seed(0)
+    B, S, G, r, D = 2, 3, 2, 3, 4
+    out = torch.randn(B, S, G, r + 1, D, dtype=torch.float64, requires_grad=True)
+    lam = torch.rand(B, S, G, r, dtype=torch.float64, requires_grad=True)
+    gate = torch.randn(B, S, G * r * D, dtype=torch.float64, requires_grad=True) if with_gate else None
+    args = (out, lam, gate)
+    torch.autograd.gradcheck(grouped_differential, args)
+    want = out[:, :, :, :r] - lam[..., None] * out[:, :, :, r:]
+    if with_gate:
+        want = want * torch.sigmoid(gate).view(B, S, G, r, D)
+    torch.testing.assert_close(grouped_differential(*args), want)

@@ -105,3 +105,39 @@ def test_identity_init_gives_mean_collapse_and_near_identity_mixing():
     torch.testing.assert_close(h_pre, torch.full_like(h_pre, 0.25))
     torch.testing.assert_close(h_post, torch.full_like(h_post, 0.5))
     torch.testing.assert_close(h_res, torch.eye(4).expand_as(h_res), atol=1e-3, rtol=0)
+
+
+def test_stream_collapse_and_mix_gradients_match_autograd():
+    """The memory-saving autograd Functions vs plain autograd through the same formulas (float64)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, 5, dtype=torch.float64, requires_grad=True)
+    h_pre = torch.rand(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    h_res = torch.rand(2, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    h_post = torch.rand(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(MHC.collapse, (x, h_pre))
+    torch.autograd.gradcheck(MHC.update, (x, h_res, h_post, y))
+    g = torch.randn(2, 3, 4, 5, dtype=torch.float64)
+    got = torch.autograd.grad(MHC.update(x, h_res, h_post, y), (x, h_res, h_post, y), g)
+    want_out = sum(h_res[:, :, :, j, None] * x[:, :, None, j] for j in range(4)) + h_post[..., None] * y[:, :, None]
+    want = torch.autograd.grad(want_out, (x, h_res, h_post, y), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    bf = MHC.update(x.detach().bfloat16(), h_res.detach().float(), h_post.detach().float(), y.detach().bfloat16())
+    assert bf.dtype == torch.bfloat16
+
+
+def test_checkpointed_coefficients_give_the_same_gradients():
+    torch.manual_seed(0)
+    mhc = MHC(4, 4, sinkhorn_iters=5, eps=1e-6, identity_init=False, h_post_alpha=0.0)
+    mhc.init_weights()
+    x = torch.randn(2, 3, 4, 4, requires_grad=True)
+    grads = []
+    for fn in (mhc.coefficients, mhc._coefficients):
+        mhc.zero_grad()
+        x.grad = None
+        h_pre, h_post, h_res = fn(x)
+        (h_pre.sum() + (h_post * 2).sum() + (h_res * torch.arange(16.0).view(4, 4)).sum()).backward()
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in mhc.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from llm_training.layers.attention import GDLAttention
-from llm_training.layers.attention_backends import reference_attention
 from llm_training.layers.moe import MoE
 from llm_training.motif import get_flavor, param_counts
 from llm_training.motif.args import is_moe_layer, is_sliding_layer
@@ -222,4 +221,24 @@ def test_gdla_in_model_uses_flavor_scale():
     assert model.layers[1].self_attn.softmax_scale == a.head_dim ** -0.5
     assert model.mtp_layers[0].self_attn.softmax_scale == a.head_dim ** -0.5
     assert sum(isinstance(m, MoE) for m in model.modules()) == 4
-    assert reference_attention is not None
+
+
+def test_blocks_work_under_activation_checkpointing(debug_model):
+    """The parallelizer wraps model.layers[i]: recomputation must give identical outputs and gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    a = debug_model.args
+    ids = torch.randint(0, a.vocab_size, (1, 20))
+    pos = torch.arange(20)[None]
+    x0 = debug_model.embed_tokens(ids).detach().unsqueeze(2).expand(1, 20, a.mhc_expansion_rate, -1).contiguous()
+    results = []
+    for use_ckpt in (False, True):
+        debug_model.zero_grad()
+        x = x0.clone().requires_grad_()
+        h = x
+        for layer in debug_model.layers:
+            h, _ = checkpoint(layer, h, pos, use_reentrant=False) if use_ckpt else layer(h, pos)
+        h.square().mean().backward()
+        results.append([x.grad.clone()] + [p.grad.clone() for p in debug_model.layers.parameters()])
+    for g0, g1 in zip(*results):
+        torch.testing.assert_close(g0, g1, atol=1e-6, rtol=1e-5)

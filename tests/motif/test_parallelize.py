@@ -1,0 +1,114 @@
+"""parallelize_motif: FSDP2 on 2 gloo CPU ranks gives the same loss and gradients as one process on the
+full batch (SUM gradient reduction + replicated fp32 params + the chunked loss on the root's lm_head);
+activation checkpointing (full / selective) keeps values and gradients and the parameter names."""
+
+import os
+import socket
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from llm_training.distributed import ParallelDims
+from llm_training.motif import get_flavor
+from llm_training.motif.model import Motif3Model
+from llm_training.motif.parallelize import parallelize_motif
+from llm_training.trainer.losses import count_labelled_tokens, micro_batch_loss
+
+ARGS = get_flavor("motif3_debug").replace(num_hidden_layers=3, router_aux_loss_coef=0.01)
+
+
+def _config(ac_mode="none"):
+    ns = types.SimpleNamespace
+    return ns(
+        activation_checkpoint=ns(mode=ac_mode),
+        compile=ns(enable=False, components=[]),
+        training=ns(mixed_precision_param="float32", mixed_precision_reduce="float32"),
+    )
+
+
+def _batch():
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, ARGS.vocab_size, (4, 16), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full((4, 1), -100)], dim=1)
+    labels[0, :5] = -100
+    return ids, labels
+
+
+def _reference_model():
+    torch.manual_seed(0)
+    m = Motif3Model(ARGS)
+    m.init_weights()
+    return m
+
+
+def _loss_and_grads(model, ids, labels, normalisers, balance_scale):
+    out = model(ids, return_hidden=True)
+    loss = micro_batch_loss(out, model.lm_head.weight, labels, normalisers, 0.3, balance_scale)
+    loss.total.backward()
+    return loss.total.detach()
+
+
+def _worker(rank, world, port, path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.tensor import DTensor
+
+        dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=world)
+        with torch.device("meta"):
+            model = Motif3Model(ARGS)
+        parallel = parallelize_motif(model, dims, _config(), torch.device("cpu"))
+        model.to_empty(device="cpu")
+        model.init_weights(buffer_device=torch.device("cpu"))
+        set_model_state_dict(model, _reference_model().state_dict(), options=StateDictOptions(full_state_dict=True))
+        assert parallel.fsdp and isinstance(model.layers[0].self_attn.wq_b.weight, DTensor)
+        assert not isinstance(model.layers[2].moe.router.gate.weight, DTensor)  # fp32, replicated
+        ids, labels = _batch()
+        mine = slice(2 * rank, 2 * rank + 2)
+        normalisers = count_labelled_tokens(labels[mine], 1)
+        dist.all_reduce(normalisers)
+        loss = _loss_and_grads(model, ids[mine], labels[mine], normalisers, 1.0 / world)
+        dist.all_reduce(loss)
+        parallel.sync_replicated_grads()
+        grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
+        if rank == 0:
+            torch.save({"loss": loss, "grads": grads}, path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fsdp2_two_gloo_ranks_match_single_process(tmp_path):
+    path = tmp_path / "rank0.pt"
+    mp.spawn(_worker, args=(2, _free_port(), str(path)), nprocs=2, join=True)
+    got = torch.load(path)
+    ref_model = _reference_model()
+    ids, labels = _batch()
+    ref_loss = _loss_and_grads(ref_model, ids, labels, count_labelled_tokens(labels, 1), 1.0)
+    torch.testing.assert_close(got["loss"], ref_loss, rtol=1e-5, atol=1e-6)
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_values_grads_and_names(mode):
+    ids, labels = _batch()
+    norms = count_labelled_tokens(labels, 1)
+    ref = _reference_model()
+    ref_loss = _loss_and_grads(ref, ids, labels, norms, 1.0)
+    model = _reference_model()
+    parallelize_motif(model, ParallelDims(1, 1, 1, 1, 1), _config(mode), torch.device("cpu"))
+    assert list(model.state_dict()) == list(ref.state_dict())
+    loss = _loss_and_grads(model, ids, labels, norms, 1.0)
+    torch.testing.assert_close(loss, ref_loss)
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)

@@ -1,0 +1,117 @@
+"""The train loop on CPU with motif3_debug: stop/resume reproduces the uninterrupted run exactly,
+gradient accumulation matches the full batch, non-finite steps are skipped / abort without a checkpoint,
+and the checkpoint holds what a resume needs."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from llm_training.distributed import ParallelDims
+from llm_training.trainer import NonFiniteLossError, Trainer, train
+from llm_training.trainer.checkpoint import complete_steps
+
+DIMS = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
+
+
+class _Crash(Exception):
+    pass
+
+
+def _crash_at_step(trainer, step):
+    """Forward hook that raises during step `step` (a simulated kill after the previous checkpoint)."""
+
+    def hook(module, args, out):
+        if trainer.train_state.step == step:
+            raise _Crash(f"killed at step {step}")
+
+    trainer.model.norm.register_forward_hook(hook)
+
+
+def test_stop_and_resume_reproduces_uninterrupted_losses(make_config):
+    full = train(make_config("--job.run_name=full"), DIMS)
+    assert sorted(full.losses) == [1, 2, 3, 4, 5, 6]
+
+    crashed = Trainer(make_config("--job.run_name=resumed"), DIMS)
+    _crash_at_step(crashed, 5)
+    with pytest.raises(_Crash):
+        crashed.fit()
+    assert complete_steps(crashed.checkpointer.folder) == [3]
+
+    resumed = train(make_config("--job.run_name=resumed"), DIMS)
+    assert resumed.start_step == 3 and sorted(resumed.losses) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed.losses[step] == full.losses[step], (step, resumed.losses[step], full.losses[step])
+    assert complete_steps(resumed.checkpoint_folder) == [3, 6]
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch(make_config):
+    one = train(make_config("--job.run_name=a", "--training.local_batch_size=4", "--training.steps=2",
+                            "--checkpoint.enable=false"), DIMS)
+    acc = train(make_config("--job.run_name=b", "--training.local_batch_size=2", "--training.global_batch_size=4",
+                            "--training.steps=2", "--checkpoint.enable=false"), DIMS)
+    for step in (1, 2):
+        assert math.isclose(one.losses[step], acc.losses[step], rel_tol=1e-5), step
+
+
+def _nan_at_steps(trainer, steps):
+    def hook(module, args, out):
+        if trainer.train_state.step in steps:
+            return out * float("nan")
+
+    trainer.model.norm.register_forward_hook(hook)
+
+
+def test_nonfinite_step_is_skipped_and_counted(make_config):
+    trainer = Trainer(make_config("--training.steps=4", "--checkpoint.enable=false"), DIMS)
+    _nan_at_steps(trainer, {2})
+    before = {}
+
+    def snapshot(module, args):
+        if trainer.train_state.step == 3 and not before:
+            before.update({k: v.clone() for k, v in trainer.model.state_dict().items()})
+
+    trainer.model.register_forward_pre_hook(snapshot)
+    weights_after_1 = {}
+    orig_step = trainer.train_step
+
+    def step_and_record(mbs):
+        rec = orig_step(mbs)
+        if trainer.train_state.step == 1:
+            weights_after_1.update({k: v.clone() for k, v in trainer.model.state_dict().items()})
+        return rec
+
+    trainer.train_step = step_and_record
+    result = trainer.fit()
+    assert result.skipped_steps == 1 and math.isnan(result.losses[2])
+    assert all(math.isfinite(result.losses[s]) for s in (1, 3, 4))
+    # the skipped step changed nothing: the weights entering step 3 are those after step 1
+    assert all(torch.equal(before[k], weights_after_1[k]) for k in before)
+    assert trainer.lr_scheduler.last_step == 3  # the scheduler did not advance on the skipped step
+    lines = [json.loads(x) for x in result.metrics_path.read_text().splitlines()]
+    assert lines[-1]["skipped_steps"] == 1
+
+
+def test_consecutive_nonfinite_steps_abort_without_checkpoint(make_config):
+    trainer = Trainer(make_config("--training.steps=6", "--training.max_consecutive_nonfinite=2",
+                                  "--checkpoint.interval=1"), DIMS)
+    _nan_at_steps(trainer, {3, 4, 5, 6})
+    with pytest.raises(NonFiniteLossError, match="max_consecutive_nonfinite"):
+        trainer.fit()
+    assert complete_steps(trainer.checkpointer.folder) == [1, 2]  # nothing saved for steps 3 and 4
+
+
+def test_checkpoint_contents_and_config(make_config):
+    result = train(make_config("--training.steps=3"), DIMS)
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(result.last_checkpoint)).read_metadata()
+    keys = set(meta.state_dict_metadata)
+    assert "model.layers.2.moe.expert_bias" in keys and "model.lm_head.weight" in keys
+    assert any(k.startswith("optimizer.state.") for k in keys)
+    assert {"lr_scheduler.last_step", "train_state.step", "train_state.config_toml",
+            "dataloader_dp_rank_0.blob", "rng_rank_0.blob"} <= keys
+    state = {"train_state": {"step": 0, "config_toml": ""}}
+    dcp.load(state, checkpoint_id=str(result.last_checkpoint), no_dist=True)
+    assert state["train_state"]["step"] == 3 and "[training]" in state["train_state"]["config_toml"]
