@@ -68,13 +68,18 @@ class ChatTokenizer:
         self.tokenizer = tokenizer
         self.end_of_turn = tokenizer.eos_token
         self.pad_id = tokenizer.pad_token_id
-        # the Rust tokenizer directly: the transformers wrapper costs more than the encoding for short texts
-        self._backend = tokenizer.backend_tokenizer
+        # the Rust tokenizer directly: the transformers wrapper costs more than the encoding for short texts;
+        # encode_batch_fast (no offsets; tokenizers >= 0.21) when present
+        backend = tokenizer.backend_tokenizer
+        self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
         self._check_template()
 
     def _check_template(self) -> None:
         probe = [{"role": "user", "content": "probe question"}, {"role": "assistant", "content": "probe answer"}]
-        prompt, target, _ = self.split(probe)
+        try:
+            prompt, target, _ = self.split(probe)
+        except BadRecord as bad:
+            raise ValueError(f"the tokenizer's chat template cannot be used for chat training: {bad.reason}") from None
         if not target.startswith("probe answer") or not target.endswith(self.end_of_turn):
             raise ValueError(
                 "the tokenizer's chat template does not render an assistant turn as '<generation prompt>"
@@ -83,7 +88,10 @@ class ChatTokenizer:
             )
 
     def _render(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        except Exception as exc:  # jinja's TemplateError from raise_exception(), or any error inside the template
+            raise BadRecord(f"the chat template rejected the conversation ({type(exc).__name__}: {exc})") from None
 
     def split(self, messages: list[dict[str, str]]) -> tuple[str, str, str]:
         """(prompt, target, trailer) texts of a validated conversation."""
@@ -93,9 +101,9 @@ class ChatTokenizer:
         full = self._render(messages)
         prompt = marked_text[: marked_text.find(CONTENT_MARKER)]
         if CONTENT_MARKER not in marked_text or not full.startswith(prompt):
-            raise ValueError(
-                "the chat template does not render the last assistant turn's content verbatim after the same "
-                f"prefix, so the trained span cannot be located: prefix={prompt[-80:]!r}"
+            raise BadRecord(
+                "the chat template does not render the last assistant turn's content after the same prefix, so "
+                f"the trained span cannot be located (prefix ends {prompt[-40:]!r})"
             )
         content = messages[last]["content"]
         # search for the end-of-turn token after the content when it is rendered verbatim, so that a literal
@@ -110,7 +118,7 @@ class ChatTokenizer:
     def tokenize(self, pieces: list[tuple[str, str, str]]) -> list[TokenizedChat]:
         """Tokenize `split()` outputs (one batched tokenizer call for all pieces)."""
         flat = [text for triple in pieces for text in triple]
-        ids = [e.ids for e in self._backend.encode_batch(flat, add_special_tokens=False)] if flat else []
+        ids = [e.ids for e in self._encode_batch(flat, add_special_tokens=False)] if flat else []
         out = []
         for k in range(len(pieces)):
             prompt, target, trailer = ids[3 * k], ids[3 * k + 1], ids[3 * k + 2]

@@ -15,7 +15,8 @@ Iterating the loader (`next(loader)`) prepares `prefetch_batches` batches ahead 
 tokenizer releases the GIL) and keeps, with each batch, a snapshot of the state after it, so `state_dict()`
 still describes the last batch returned. `next_batch()` computes one batch in the calling thread.
 
-Bad records (malformed JSON, missing conversations, unknown role, non-string content, no assistant turn):
+Bad records (malformed JSON, missing conversations, unknown role, non-string content, no assistant turn, a
+conversation the chat template rejects):
 `bad_record_policy="fail"` raises `BadRecordError` naming file:line and the reason; "skip" counts them, logs
 the first few with file:line and a summary per epoch. Either way the loader raises when more than
 `max_bad_fraction` of the records seen are bad (checked from 100 records on, and at every epoch end) or when a
@@ -137,9 +138,9 @@ class ChatDataLoader:
                 order = torch.randperm(n, generator=torch.Generator().manual_seed(self.shuffle_seed + epoch)).numpy()
             else:
                 order = np.arange(n)
-            self._shards[epoch] = order[self.dp_rank :: self.dp_world_size]
-            while len(self._shards) > 2:
+            while len(self._shards) >= 2:
                 del self._shards[min(self._shards)]
+            self._shards[epoch] = order[self.dp_rank :: self.dp_world_size]
         return self._shards[epoch]
 
     # ---- reading ------------------------------------------------------------------------------------------

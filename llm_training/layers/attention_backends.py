@@ -144,7 +144,10 @@ def _flex_block_mask(document_ids, window, B, S, device):
             visible = visible & (document_ids[b, q_idx] == document_ids[b, kv_idx])
         return visible
 
-    block_mask = create_block_mask(mask_mod, B if document_ids is not None else None, None, S, S, device=device)
+    # Long CUDA sequences: build the mask with torch.compile instead of materialising [B, S, S] booleans.
+    compile_mask = torch.device(device).type == "cuda" and S >= 32768
+    block_mask = create_block_mask(mask_mod, B if document_ids is not None else None, None, S, S, device=device,
+                                   _compile=compile_mask)
     _flex_mask_cache["masks"][key] = block_mask
     return block_mask
 

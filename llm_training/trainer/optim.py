@@ -113,10 +113,11 @@ def apply_qk_clip(model: nn.Module, threshold: float, dp_group=None) -> QKClipSu
     summary = QKClipSummary()
     if not layers:
         return summary
-    logits_LH = torch.stack([m.max_logits.float() for _, m in layers])  # [layers, n_h] (same n_h everywhere)
+    flat = torch.cat([m.max_logits.float().reshape(-1) for _, m in layers])  # every layer's [n_h], concatenated
     if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(logits_LH, op=dist.ReduceOp.MAX, group=dp_group)
-    for (name, m), layer_logits in zip(layers, logits_LH):
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=dp_group)
+    per_layer = flat.split([m.max_logits.numel() for _, m in layers])
+    for (name, m), layer_logits in zip(layers, per_layer):
         layout = QKLayout(m.n_heads, m.n_kv_heads, m.d_nope, m.d_rope, m.d_v)
         stats = qk_clip_(m.wq_b.weight, m.wkv_b.weight, layer_logits, layout, threshold)
         summary.per_layer[name] = stats

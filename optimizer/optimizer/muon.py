@@ -9,6 +9,9 @@ A parameter is a 2-D matrix, or a 3-D stack [E, out, in] of E independent expert
 may set `row_split = s`: each matrix's rows are cut into `s` equal blocks that are orthogonalised (and
 scaled) separately — used for the fused expert `gate_up_proj` [E, 2I, H] (gate half, up half).
 
+Local matrices of the same shape (e.g. `wq_a` of every layer) are orthogonalised in one batched NS call
+(up to 2^27 elements per batch), which turns thousands of tiny GPU kernels into a few large ones.
+
 Placement rules (what decides the communication):
   * plain tensor or fully replicated DTensor: orthogonalise locally.
   * 3-D expert stack sharded along dim 0 (the expert dim): every rank holds whole experts, so NS runs
@@ -35,8 +38,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from optimizer._dtensor import chunk_range, is_dtensor, local, shard0_mesh_dims
+from optimizer._dtensor import chunk_range, local, shard0_mesh_dims
 from optimizer.newton_schulz import NS_COEFFICIENTS, NS_EPS, default_ns_dtype, newton_schulz
+
+# Same-shape local updates are orthogonalised together in batches of at most this many elements.
+_LOCAL_BATCH_ELEMENTS = 1 << 27
 
 # Moonlight's RMS-matching factor: update RMS ~= 0.2, AdamW's typical update RMS.
 MOONLIGHT_SCALE = 0.2
@@ -50,6 +56,12 @@ def update_scale(rows: int, cols: int) -> float:
 def _matrix_shape(shape: torch.Size, row_split: int) -> tuple[int, int]:
     rows, cols = shape[-2], shape[-1]
     return rows // row_split, cols
+
+
+def _split_mesh_dims(p: torch.Tensor) -> list[int]:
+    """Mesh dims that really split dim 0 of `p` (Shard(0) over more than one rank); a 1-rank FSDP2 mesh
+    (single-GPU bf16 training) holds the full matrix, so it takes the local path."""
+    return [d for d in shard0_mesh_dims(p, f"Muon parameter of shape {tuple(p.shape)}") if p.device_mesh.size(d) > 1]
 
 
 def _ns_flops(shape: torch.Size, row_split: int, steps: int) -> float:
@@ -122,7 +134,7 @@ class Muon(torch.optim.Optimizer):
             )
         if p.shape[-2] % row_split:
             raise ValueError(f"Muon: row_split={row_split} does not divide the rows of shape {tuple(p.shape)}")
-        dims = shard0_mesh_dims(p, f"Muon parameter of shape {tuple(p.shape)}")
+        dims = _split_mesh_dims(p)
         if p.ndim == 2 and len(dims) > 1:
             raise ValueError(
                 f"Muon: a 2-D parameter {tuple(p.shape)} sharded on dim 0 over several mesh dims "
@@ -165,6 +177,7 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         sharded: dict[tuple, list[_ShardedItem]] = {}
+        local_buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, dict]]] = {}
         for group in self.param_groups:
             mu = group["momentum"]
             for p in group["params"]:
@@ -176,22 +189,37 @@ class Muon(torch.optim.Optimizer):
                 g, m = local(p.grad), local(state["momentum_buffer"])
                 m.mul_(mu).add_(g)
                 update = g.add(m, alpha=mu) if group["nesterov"] else m
-                mesh_dims = shard0_mesh_dims(p)
+                mesh_dims = _split_mesh_dims(p)
                 if p.ndim == 3 or not mesh_dims:
-                    ortho = self._orthogonalise(update, group["row_split"], group["ns_steps"])
-                    self._apply(local(p), ortho, group, p.shape)
+                    key = (tuple(update.shape), update.dtype, update.device, group["row_split"], group["ns_steps"])
+                    bucket = local_buckets.setdefault(key, [])
+                    if bucket and (len(bucket) + 1) * update.numel() > _LOCAL_BATCH_ELEMENTS:
+                        self._step_local(bucket)
+                        bucket.clear()
+                    bucket.append((p, update, group))
                 else:
                     key = (id(p.device_mesh), mesh_dims[0])
                     flops = _ns_flops(p.shape, group["row_split"], group["ns_steps"])
                     sharded.setdefault(key, []).append(_ShardedItem(p, update, group, flops))
+        for bucket in local_buckets.values():
+            self._step_local(bucket)
         for items in sharded.values():
             self._step_sharded(items)
         return loss
 
+    def _step_local(self, bucket: list[tuple[torch.Tensor, torch.Tensor, dict]]) -> None:
+        """NS of same-shape local updates as one batched call (few large kernels instead of many tiny
+        ones), then decay + update per parameter."""
+        _, first_update, first_group = bucket[0]
+        stacked = first_update[None] if len(bucket) == 1 else torch.stack([u for _, u, _ in bucket])
+        ortho = self._orthogonalise(stacked, first_group["row_split"], first_group["ns_steps"])
+        for (p, _, group), o in zip(bucket, ortho):
+            self._apply(local(p), o, group, p.shape)
+
     # ------------------------------------------------------------------ distributed (owner) path
     def _step_sharded(self, items: list[_ShardedItem]) -> None:
         p0 = items[0].param
-        mesh_dim = shard0_mesh_dims(p0)[0]
+        mesh_dim = _split_mesh_dims(p0)[0]
         pg = p0.device_mesh.get_group(mesh_dim)
         world, me = p0.device_mesh.size(mesh_dim), p0.device_mesh.get_local_rank(mesh_dim)
         # Greedy LPT owner assignment; the order depends only on shapes, so every rank agrees.
@@ -238,8 +266,8 @@ class Muon(torch.optim.Optimizer):
             for src in range(world):
                 offset = 0
                 for it in owned:
-                    n = numel_on(it, src)
-                    full_rows[id(it)].append(pieces[src][offset : offset + n].view(n // it.param.shape[1], it.param.shape[1]))
+                    n, cols = numel_on(it, src), it.param.shape[1]
+                    full_rows[id(it)].append(pieces[src][offset : offset + n].view(n // cols, cols))
                     offset += n
             return {
                 id(it): self._orthogonalise(torch.cat(full_rows[id(it)]), it.group["row_split"], it.group["ns_steps"])

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from optimizer._dtensor import is_dtensor
 from optimizer.grouping import GroupRule, ParamGrouping, group_parameters
 from optimizer.muon import Muon
 
@@ -103,11 +104,14 @@ def build_optimizers(
             ns_dtype=ns_dtype,
             comm_dtype=comm_dtype,
         )
-    adamw_groups = [
-        {"params": [p for _, p, _ in grouping.groups[name]], "weight_decay": wd}
-        for name, wd in (("adamw_decay", weight_decay), ("adamw_no_decay", 0.0))
-        if grouping.groups[name]
-    ]
+    # One AdamW group per (decay, DTensor or plain): foreach / fused kernels refuse a list that mixes
+    # DTensors with plain tensors (FSDP2 with ignored_params, e.g. replicated fp32 router / mHC weights).
+    adamw_groups = []
+    for name, wd in (("adamw_decay", weight_decay), ("adamw_no_decay", 0.0)):
+        for want_dtensor in (True, False):
+            params = [p for _, p, _ in grouping.groups[name] if is_dtensor(p) == want_dtensor]
+            if params:
+                adamw_groups.append({"params": params, "weight_decay": wd})
     adamw = None
     if adamw_groups:
         device = adamw_groups[0]["params"][0].device

@@ -3,8 +3,9 @@
 X is [..., m, k] (m <= k after NS's transpose). G is symmetric, so only the upper-triangle blocks
 (block_row <= block_col) are computed — about half the FLOPs of a full matmul — and each off-diagonal block
 is written twice: at (i, j) and transposed at (j, i). The grid is the full (n_blocks x n_blocks) square;
-programs below the diagonal exit immediately (simpler than a triangle index map, and they cost ~nothing). fp32 accumulation; fp32 inputs use IEEE fp32 dot
-products (no TF32) so the result matches `x @ x.mT`. Batched over the leading dims (one grid axis).
+programs below the diagonal exit immediately (simpler than a triangle index map; they cost ~nothing).
+fp32 accumulation; fp32 inputs use IEEE fp32 dot products (no TF32) so the result matches `x @ x.mT`.
+Batched over the leading dims (one grid axis).
 
 Triton is imported lazily: `available()` is False when it is missing, and `newton_schulz.gram` then uses
 PyTorch (also the reference in the tests).
@@ -76,7 +77,8 @@ def _kernel():
         mask = (rows[:, None] < M) & (cols[None, :] < M)
         tl.store(o_batch + rows[:, None] * stride_om + cols[None, :] * stride_on, out, mask=mask)
         if block_row != block_col:  # mirror into the lower triangle (transposed tile, row-major store)
-            tl.store(o_batch + cols[:, None] * stride_om + rows[None, :] * stride_on, tl.trans(out), mask=tl.trans(mask))
+            mirror = o_batch + cols[:, None] * stride_om + rows[None, :] * stride_on
+            tl.store(mirror, tl.trans(out), mask=tl.trans(mask))
 
     return gram_kernel
 

@@ -36,12 +36,16 @@ def _run(opt, params, grads):
         opt.step()
 
 
-@pytest.mark.parametrize("nesterov", [True, False])
-def test_matches_torch_muon(monkeypatch, nesterov):
+@pytest.mark.parametrize("nesterov,batch_limit", [(True, None), (False, None), (True, 2000)])
+def test_matches_torch_muon(monkeypatch, nesterov, batch_limit):
     import torch.optim._muon as torch_muon
 
+    import optimizer.muon
+
     monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", _ns_fp32_reference)
-    shapes = [(24, 40), (48, 16), (32, 32)]
+    if batch_limit is not None:  # force several batches per shape (same-shape params are batched)
+        monkeypatch.setattr(optimizer.muon, "_LOCAL_BATCH_ELEMENTS", batch_limit)
+    shapes = [(24, 40), (48, 16), (32, 32), (24, 40), (24, 40), (32, 32)]
     init = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
     ours = [t.clone().requires_grad_() for t in init]
     ref = [t.clone().requires_grad_() for t in init]

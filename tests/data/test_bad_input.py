@@ -126,12 +126,37 @@ def test_missing_paths_fail_at_start_up(tmp_path, hf_tokenizer):
         build_tokenizer(tmp_path / "no_tokenizer")
 
 
-def test_tokenizer_without_chat_template_fails(tmp_path):
+@pytest.mark.parametrize(("key", "message"), [("chat_template", "has no chat template"), ("pad_token", "no pad_token")])
+def test_tokenizer_without_chat_template_or_pad_fails(key, message, tmp_path):
     import json
 
     copy = shutil.copytree(BUNDLED_TOKENIZER_PATH, tmp_path / "tok")
-    config = json.loads((copy / "tokenizer_config.json").read_text())
-    del config["chat_template"]
-    (copy / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="has no chat template"):
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        config = json.loads((copy / name).read_text())
+        config.pop(key, None)
+        (copy / name).write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
         build_tokenizer(copy)
+
+
+def test_template_errors_are_bad_records(tmp_path, hf_tokenizer):
+    """A template that rejects some conversations (raise_exception) makes them bad records with file:line."""
+    import copy
+
+    from llm_training.data import ChatTokenizer
+
+    strict = copy.deepcopy(hf_tokenizer)
+    strict.chat_template = (
+        "{%- for m in messages %}{%- if m['role'] == 'system' %}{{ raise_exception('no system turns') }}{%- endif %}"
+        "{%- endfor %}" + hf_tokenizer.chat_template
+    )
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD, chat(("system", "s"), ("user", "u"), ("assistant", "a")), GOOD])
+    loader = make_loader(path, strict, max_bad_fraction=1.0, local_batch_size=1, packing="pad")
+    _drain_epoch(loader)
+    assert loader.counters["bad_records"] == 1
+    assert loader.bad_examples[0].startswith(f"{path}:2: the chat template rejected the conversation")
+    assert "no system turns" in loader.bad_examples[0]
+    broken = copy.deepcopy(hf_tokenizer)
+    broken.chat_template = "{{ raise_exception('always') }}"
+    with pytest.raises(ValueError, match="cannot be used for chat training.*always"):
+        ChatTokenizer(broken)

@@ -151,3 +151,55 @@ def test_model_level_qk_clip(debug_model):
     torch.testing.assert_close(after[~over], before[~over], rtol=1e-4, atol=0)
     assert torch.equal(attn.wkv_b.weight[-attn.d_v :], wkv_before[-attn.d_v :])  # value rows untouched
     assert not torch.equal(attn.wq_b.weight, wq_before)
+
+
+class _TinyAttention(nn.Module):
+    """Carries the attributes apply_qk_clip reads from GDLAttention (layout, wq_b, wkv_b, max_logits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.d_nope, self.d_rope, self.d_v = 4, 2, 3, 2, 2
+        gen = torch.Generator().manual_seed(0)
+        self.wq_b = nn.Linear(6, 4 * 5, bias=False)
+        self.wkv_b = nn.Linear(5, 2 * 5, bias=False)
+        with torch.no_grad():
+            self.wq_b.weight.copy_(torch.randn(20, 6, generator=gen))
+            self.wkv_b.weight.copy_(torch.randn(10, 5, generator=gen))
+        self.max_logits = None
+
+
+def _qk_worker(rank, world, port, expected_q, expected_kv):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = nn.Sequential(_TinyAttention())
+        logits = torch.full((4,), 10.0)
+        logits[rank] = 400.0 + 100 * rank  # each rank saw a different head blow up
+        model[0].max_logits = logits
+        summary = apply_qk_clip(model, 100.0, dist.group.WORLD)
+        assert summary.num_clipped_heads == 2 and summary.max_logit == 500.0
+        torch.testing.assert_close(model[0].wq_b.weight, expected_q, rtol=0, atol=0)
+        torch.testing.assert_close(model[0].wkv_b.weight, expected_kv, rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_qk_clip_reduces_max_logits_over_data_ranks():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from optimizer import QKLayout, qk_clip_
+
+    ref = _TinyAttention()
+    qk_clip_(ref.wq_b.weight.data, ref.wkv_b.weight.data, torch.tensor([400.0, 500.0, 10.0, 10.0]),
+             QKLayout(4, 2, 3, 2, 2), 100.0)  # fmt: skip
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = (2, port, ref.wq_b.weight.detach(), ref.wkv_b.weight.detach())
+    mp.start_processes(_qk_worker, args=args, nprocs=2, join=True, start_method="fork")
