@@ -80,7 +80,6 @@ class HuggingFaceDataset:
     conversations_field: str = option("conversations", "record field holding the chat turns (a list of {role, content})")
     shuffle: bool = option(True, "shuffle records before packing")
     shuffle_seed: int = option(1234, "seed of the record shuffle")
-    streaming: bool = option(False, "stream records instead of loading the dataset into memory")
     packing: str = option("pack", "pack several documents per row, or one padded document per row", choices=("pack", "pad"))
     overlong: str = option("truncate", "what to do with documents longer than seq_len", choices=("truncate", "drop"))
     bad_record_policy: str = option(

@@ -398,10 +398,8 @@ def build_dataloader(job_config, tokenizer, dp_rank: int, dp_world_size: int) ->
     training, hf = job_config.training, job_config.huggingface_dataset
     if training.dataset != "huggingface":
         raise ValueError(f"[training] dataset = {training.dataset!r}; the only data set type is 'huggingface'")
-    if hf.streaming:
-        # Records are always streamed from disk (jsonl through a line-offset index, save_to_disk as memory-mapped
-        # arrow) and tokenized lazily, so `streaming` selects no other path.
-        logger.info("data: records are always read lazily from disk; [huggingface_dataset] streaming adds nothing")
+    # Records are always read lazily from disk (jsonl through a line-offset index, save_to_disk as
+    # memory-mapped arrow) and tokenized on the fly, so there is no separate streaming mode.
     records = open_records(training.dataset_path, hf.conversations_field, hf.split)
     return ChatDataLoader(
         records,

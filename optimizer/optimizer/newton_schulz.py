@@ -6,9 +6,10 @@
 `(a, b, c) = (3.4445, -4.7750, 2.0315)` (Keller Jordan's quintic): the singular values of the result land
 in roughly [0.7, 1.2] instead of exactly 1, which is what Muon wants (speed over exactness).
 
-The two symmetric products (X X^T and P P^T = P^2, P symmetric) go through `gram()`, which uses the
-Triton kernel in `triton_gram.py` for CUDA tensors when Triton is importable (env `MUON_GRAM_BACKEND=torch`
-forces PyTorch) and `X @ X^T` otherwise.
+The two symmetric products (X X^T, and b P + c P P^T = b P + c P^2 with the axpy fused in the epilogue) go
+through `gram()`, which uses the Triton kernel in `triton_gram.py` for CUDA tensors when Triton is importable
+(env `MUON_GRAM_BACKEND=torch` forces PyTorch) and `bmm` / `baddbmm` otherwise; the last product
+`a X + poly X` is one `baddbmm`. Matrices are flattened to one batch dim [B, m, k] for the loop.
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ def _use_triton(x: torch.Tensor) -> bool:
     return triton_gram.available()
 
 
-def gram(x: torch.Tensor) -> torch.Tensor:
-    """X @ X^T for `x` of shape [..., m, k] -> [..., m, m] (symmetric)."""
+def gram(x: torch.Tensor, add: torch.Tensor | None = None, alpha: float = 1.0, beta: float = 0.0) -> torch.Tensor:
+    """alpha * X X^T (+ beta * add, `add` symmetric) for `x` [B, m, k] -> [B, m, m] (symmetric)."""
     if _use_triton(x):
         from optimizer.triton_gram import gram_triton
 
-        return gram_triton(x)
-    return x @ x.mT
+        return gram_triton(x, add, alpha, beta)
+    if add is None:
+        return torch.bmm(x, x.mT) if alpha == 1.0 else torch.bmm(x, x.mT).mul_(alpha)
+    return torch.baddbmm(add, x, x.mT, beta=beta, alpha=alpha)
 
 
 def newton_schulz(
@@ -62,9 +65,10 @@ def newton_schulz(
         x = x.mT
     # Frobenius norm per matrix, computed in fp32 for range safety, applied in the NS dtype.
     norm = torch.linalg.vector_norm(x.float(), dim=(-2, -1), keepdim=True)
-    x = (x / (norm + eps).to(dtype)).contiguous()
+    x = (x / (norm + eps).to(dtype)).reshape(-1, x.shape[-2], x.shape[-1]).contiguous()  # [B, m, k]
     for _ in range(steps):
-        p = gram(x)  # [..., m, m]
-        poly = b * p + c * gram(p)  # P symmetric => P P^T = P^2
-        x = a * x + poly @ x
+        p = gram(x)  # P = X X^T   [B, m, m]
+        poly = gram(p, add=p, alpha=c, beta=b)  # b P + c P^2   (P symmetric => P P^T = P^2)
+        x = torch.baddbmm(x, poly, x, beta=a)  # a X + poly X
+    x = x.reshape(*m.shape[:-2], *x.shape[-2:])
     return x.mT if transposed else x
