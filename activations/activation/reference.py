@@ -108,18 +108,19 @@ def poly_backward_math(x_ND, rstd_N3, w_K3, g32_ND):
 
 
 def _row_coefficients(x_ND, weight32_E3, bias32_E1, offs_E):
-    """Per-row view of the coefficients: (x with padding rows zeroed, w_K3, b_K1, valid_N1 or None).
+    """Per-row view of the coefficients: (x with padding rows zeroed, w_K3, b_K1, valid_N1, expert_N).
 
-    Dense (offs None): K = 1, shared coefficients. Grouped: K = N, gathered by each row's expert; rows
-    at/after offs[-1] are zeroed with `where` (not a product: padding rows may hold inf/nan)."""
+    Dense (offs None): K = 1, shared coefficients, valid_N1 and expert_N None. Grouped: K = N, gathered
+    by each row's expert (expert_N, E for padding); rows at/after offs[-1] are zeroed with `where` (not a
+    product: padding rows may hold inf/nan)."""
     if offs_E is None:
-        return x_ND, weight32_E3, bias32_E1, None
+        return x_ND, weight32_E3, bias32_E1, None, None
     num_experts = weight32_E3.shape[0]
     expert_N = expert_of_row(offs_E, x_ND.shape[0])
     valid_N1 = (expert_N < num_experts).unsqueeze(-1)
     safe_N = expert_N.clamp(max=num_experts - 1)
     x_safe = torch.where(valid_N1, x_ND, torch.zeros((), dtype=x_ND.dtype, device=x_ND.device))
-    return x_safe, weight32_E3[safe_N], bias32_E1[safe_N], valid_N1
+    return x_safe, weight32_E3[safe_N], bias32_E1[safe_N], valid_N1, expert_N
 
 
 class PolyNormFn(torch.autograd.Function):
@@ -132,7 +133,7 @@ class PolyNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_ND, up_ND, weight32_E3, bias32_E1, offs_E, eps, output_scale):
-        x_safe, w_K3, b_K1, valid_N1 = _row_coefficients(x_ND, weight32_E3, bias32_E1, offs_E)
+        x_safe, w_K3, b_K1, valid_N1, _expert_N = _row_coefficients(x_ND, weight32_E3, bias32_E1, offs_E)
         p, rstd_N3 = poly_forward_math(x_safe, w_K3, b_K1, eps)
         if up_ND is not None:
             p = p * upcast(up_ND)
@@ -148,7 +149,7 @@ class PolyNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout_ND):
         x_ND, up_ND, weight32_E3, bias32_E1, offs_E, rstd_N3 = ctx.saved_tensors
-        x_safe, w_K3, b_K1, valid_N1 = _row_coefficients(x_ND, weight32_E3, bias32_E1, offs_E)
+        x_safe, w_K3, b_K1, valid_N1, expert_N = _row_coefficients(x_ND, weight32_E3, bias32_E1, offs_E)
         g = upcast(dout_ND) * ctx.output_scale
         if valid_N1 is not None:
             g = torch.where(valid_N1, g, 0.0)
@@ -163,7 +164,7 @@ class PolyNormFn(torch.autograd.Function):
         if offs_E is None:
             per_expert_E4 = stats_N4.sum(0, keepdim=True)
         else:
-            per_expert_E4 = segment_sum_rows(stats_N4, offs_E)
+            per_expert_E4 = segment_sum_rows(stats_N4, expert_N, weight32_E3.shape[0])
         dw = per_expert_E4[:, :3].to(weight32_E3.dtype)
         db = per_expert_E4[:, 3:].to(bias32_E1.dtype)
         return dx.to(x_ND.dtype), dup, dw, db, None, None, None

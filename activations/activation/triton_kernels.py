@@ -10,7 +10,8 @@ PolyNorm kernels serve three ops through compile-time flags: HAS_UP (fused multi
 (per-row expert index -> per-expert coefficients; rows whose index == num_experts are padding: they load
 nothing, output 0 and get zero gradients) and APPLY_SCALE (output_scale applied after the down-cast).
 The PolyNorm backward writes per-row fp32 statistics [T, 4] (contributions to dL/dw0, dw1, dw2, db of the
-effective coefficients); the caller reduces them with torch (a sum, or a per-expert segment sum).
+effective coefficients), reduced to [E, 4] by a torch sum (dense) or by `_segment_sum_kernel` (grouped:
+per-block, per-expert partials, then a fixed-order sum over blocks; deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -272,6 +273,51 @@ def _poly_bwd_kernel(
     tl.store(STATS + row * 4 + 3, tl.sum(acc_g, axis=0))
 
 
+@triton.jit
+def _segment_sum_kernel(
+    STATS, EXPERT, PARTIAL, n_rows, num_experts,
+    BLOCK_R: tl.constexpr, K: tl.constexpr,
+):
+    """Per-expert sums of the [n_rows, K] per-row stats over one block of BLOCK_R rows.
+
+    Rows are grouped by expert (contiguous, ascending), so a block holds experts first..last only; the
+    program writes PARTIAL[block, e, :] for those and leaves the other (zero-initialised) entries alone.
+    Padding rows (expert == num_experts) are skipped."""
+    block = tl.program_id(0).to(tl.int64)
+    rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, K)
+    in_range = rows < n_rows
+    expert = tl.load(EXPERT + rows, mask=in_range, other=num_experts)
+    valid = expert < num_experts
+    stats = tl.load(STATS + rows[:, None] * K + cols[None, :], mask=valid[:, None], other=0.0)
+    first = tl.min(tl.where(valid, expert, num_experts), axis=0)
+    last = tl.max(tl.where(valid, expert, -1), axis=0)
+    for e in range(first, last + 1):  # empty when the block holds only padding
+        sums = tl.sum(tl.where((expert == e)[:, None], stats, 0.0), axis=0)
+        tl.store(PARTIAL + (block * num_experts + e) * K + cols, sums)
+
+
+# Rows per program of the per-expert reduction: 2048 rows x 4 fp32 stats = 32 KiB per program.
+SEGMENT_BLOCK_ROWS = 2048
+
+
+def per_expert_sums(stats_NK: torch.Tensor, expert_N: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """fp32 [num_experts, K]: per-expert sums of the rows of `stats_NK` (rows grouped by expert).
+
+    Deterministic two-level reduction, no atomics: one program per block of SEGMENT_BLOCK_ROWS rows
+    writes per-expert partials [num_blocks, E, K], then a fixed-order torch sum over the blocks. Work is
+    O(rows + num_blocks * E), unlike a prefix sum over the rows (a sequential scan on the GPU)."""
+    n, k = stats_NK.shape
+    num_blocks = triton.cdiv(n, SEGMENT_BLOCK_ROWS)
+    partial = stats_NK.new_zeros((num_blocks, num_experts, k), dtype=torch.float32)
+    if n == 0:
+        return partial.sum(0)
+    _segment_sum_kernel[(num_blocks,)](
+        stats_NK.contiguous(), expert_N, partial, n, num_experts, BLOCK_R=SEGMENT_BLOCK_ROWS, K=k, num_warps=8,
+    )
+    return partial.sum(0)
+
+
 def _poly_launch_config(d: int) -> tuple[int, int]:
     """(CHUNK, num_warps) for the PolyNorm kernels."""
     return _launch_config(min(d, POLY_CHUNK))
@@ -306,15 +352,17 @@ def poly_norm_fwd(x_ND, up_ND, weight_E3, bias_E1, offs_E, eps, output_scale):
 
 
 def poly_norm_bwd(dy_ND, x_ND, up_ND, weight_E3, bias_E1, offs_E, rstd_N3, output_scale):
-    """Returns (dx_ND, dup_ND (empty without up), stats_N4 fp32 per-row parameter-gradient terms)."""
+    """Returns (dx_ND, dup_ND (empty without up), stats_E4 fp32): stats columns are dL/d(w0, w1, w2, b) of
+    the effective coefficients, one row per expert (E = 1 for the dense op)."""
     dy_ND = _unit_stride(dy_ND)
     x_ND = _unit_stride(x_ND)
     n, d = x_ND.shape
     dx = x_ND.new_empty((n, d))
     dup = up_ND.new_empty((n, d)) if up_ND is not None else x_ND.new_empty((0,))
+    num_param_sets = weight_E3.shape[0]
     stats = x_ND.new_empty((n, 4), dtype=torch.float32)
     if n == 0:
-        return dx, dup, stats
+        return dx, dup, stats.new_zeros((num_param_sets, 4))
     expert_N, num_experts = _expert_index(offs_E, n)
     up = _unit_stride(up_ND) if up_ND is not None else x_ND
     chunk, num_warps = _poly_launch_config(d)
@@ -325,4 +373,6 @@ def poly_norm_bwd(dy_ND, x_ND, up_ND, weight_E3, bias_E1, offs_E, rstd_N3, outpu
         d, num_experts, output_scale,
         HAS_UP=up_ND is not None, GROUPED=offs_E is not None, CHUNK=chunk, num_warps=num_warps,
     )
-    return dx, dup, stats
+    if expert_N is None:
+        return dx, dup, stats.sum(0, keepdim=True)
+    return dx, dup, per_expert_sums(stats, expert_N, num_experts)

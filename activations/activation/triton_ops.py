@@ -13,8 +13,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .segments import segment_sum_rows
-
 
 def _kernels():
     from . import triton_kernels  # imports triton
@@ -90,8 +88,7 @@ def poly_norm_bwd(
     output_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dup (empty without up), dweight [E, 3], dbias [E, 1]) of the effective coefficients."""
-    dx, dup, stats_N4 = _kernels().poly_norm_bwd(dy, x, up, weight, bias, offs, rstd, output_scale)
-    per_expert_E4 = stats_N4.sum(0, keepdim=True) if offs is None else segment_sum_rows(stats_N4, offs)
+    dx, dup, per_expert_E4 = _kernels().poly_norm_bwd(dy, x, up, weight, bias, offs, rstd, output_scale)
     return dx, dup, per_expert_E4[:, :3].to(weight.dtype).clone(), per_expert_E4[:, 3:].to(bias.dtype).clone()
 
 

@@ -280,7 +280,7 @@ def test_expert_of_row_and_segment_sum():
     offs = torch.tensor([2, 2, 5], dtype=torch.int32)
     assert expert_of_row(offs, 7).tolist() == [0, 0, 2, 2, 2, 3, 3]
     values = torch.arange(14, dtype=torch.float32).view(7, 2)
-    sums = segment_sum_rows(values, offs)
+    sums = segment_sum_rows(values, expert_of_row(offs, 7), 3)
     assert sums.tolist() == [[0 + 2, 1 + 3], [0, 0], [4 + 6 + 8, 5 + 7 + 9]]
 
 
@@ -327,6 +327,28 @@ def test_backend_env_override(monkeypatch):
         backend.use_triton(torch.zeros(1))
     monkeypatch.delenv("ACTIVATION_BACKEND")
     assert backend.use_triton(torch.zeros(1)) is False  # CPU tensor -> reference
+
+
+def test_grouped_poly_norm_compiles_with_aot_autograd():
+    """aot_eager traces forward AND backward (the autograd.Function's backward included) into graphs:
+    catches data-dependent ops inductor cannot take (the earlier fp64 prefix-sum segment reduction)."""
+    torch._dynamo.reset()
+    offs = torch.tensor([10, 10, 30, 60], dtype=torch.int32)
+    tensors = [torch.randn(64, 16), torch.randn(64, 16), torch.randn(4, 3), torch.randn(4, 1)]
+
+    def fn(x, up, w, b):
+        return activation.grouped_poly_norm(x, w, b, offs, bias_clamp=0.5, up=up, output_scale=0.5)
+
+    eager_leaves = [t.clone().requires_grad_(True) for t in tensors]
+    compiled_leaves = [t.clone().requires_grad_(True) for t in tensors]
+    eager = fn(*eager_leaves)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(*compiled_leaves)
+    torch.testing.assert_close(compiled, eager)
+    g = torch.randn(64, 16)
+    (eager * g).sum().backward()
+    (compiled * g).sum().backward()
+    for a, e in zip(compiled_leaves, eager_leaves):
+        torch.testing.assert_close(a.grad, e.grad)
 
 
 def test_public_ops_trace_under_torch_compile_without_graph_breaks():

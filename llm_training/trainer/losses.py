@@ -39,8 +39,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_TH, weight_VH, labels_T, chunk_tokens: int):
+    def forward(ctx, hidden_TH, weight_VH, labels_T, chunk_tokens: int, compiled: bool):
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        chunk_fn = _compiled_chunk_loss_and_grad() if compiled else _chunk_loss_and_grad
         T = hidden_TH.shape[0]
         loss = torch.zeros((), dtype=torch.float32, device=hidden_TH.device)
         grad_hidden_TH = torch.zeros_like(hidden_TH, dtype=torch.float32) if needs_grad else None
@@ -49,22 +50,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, T, chunk_tokens):
             h_CH = hidden_TH[start : start + chunk_tokens].float()
             y_C = labels_T[start : start + chunk_tokens]
-            valid_C = y_C != IGNORE_INDEX
-            if not bool(valid_C.any()):
-                continue
-            logits_CV = h_CH @ weight_f32.t()
-            lse_C = torch.logsumexp(logits_CV, dim=-1)
-            safe_y_C = torch.where(valid_C, y_C, torch.zeros_like(y_C))
-            target_logit_C = logits_CV.gather(1, safe_y_C[:, None]).squeeze(1)
-            loss += ((lse_C - target_logit_C) * valid_C).sum()
+            chunk_loss, grad_logits_CV = chunk_fn(h_CH, weight_f32, y_C)
+            loss += chunk_loss
             if needs_grad:
-                # d(sum CE)/d logits = softmax - onehot on valid rows, 0 elsewhere (reuses logits_CV).
-                grad_logits_CV = logits_CV.sub_(lse_C[:, None]).exp_()
-                grad_logits_CV[torch.arange(len(y_C), device=y_C.device), safe_y_C] -= 1.0
-                grad_logits_CV.mul_(valid_C[:, None])
                 grad_hidden_TH[start : start + chunk_tokens] = grad_logits_CV @ weight_f32
                 grad_weight_VH.addmm_(grad_logits_CV.t(), h_CH)
-            del logits_CV
+            del grad_logits_CV
         if needs_grad:
             ctx.save_for_backward(grad_hidden_TH, grad_weight_VH)
             ctx.dtypes = (hidden_TH.dtype, weight_VH.dtype)
@@ -76,7 +67,27 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         h_dtype, w_dtype = ctx.dtypes
         g_h = (grad_hidden_TH * grad_loss).to(h_dtype) if ctx.needs_input_grad[0] else None
         g_w = (grad_weight_VH * grad_loss).to(w_dtype) if ctx.needs_input_grad[1] else None
-        return g_h, g_w, None, None
+        return g_h, g_w, None, None, None
+
+
+def _chunk_loss_and_grad(h_CH: torch.Tensor, weight_VH: torch.Tensor, y_C: torch.Tensor):
+    """One chunk, fp32: (sum of CE over labelled rows, d(sum CE)/d logits [C, V] = softmax - onehot,
+    zero on ignored rows)."""
+    valid_C = y_C != IGNORE_INDEX
+    logits_CV = h_CH @ weight_VH.t()
+    lse_C = torch.logsumexp(logits_CV, dim=-1)
+    safe_y_C = torch.where(valid_C, y_C, torch.zeros_like(y_C))
+    target_logit_C = logits_CV.gather(1, safe_y_C[:, None]).squeeze(1)
+    loss = ((lse_C - target_logit_C) * valid_C).sum()
+    probs_CV = torch.exp(logits_CV - lse_C[:, None])
+    onehot_CV = torch.nn.functional.one_hot(safe_y_C, weight_VH.shape[0]).to(probs_CV.dtype)
+    return loss, (probs_CV - onehot_CV) * valid_C[:, None]
+
+
+@functools.cache
+def _compiled_chunk_loss_and_grad():
+    """torch.compile'd `_chunk_loss_and_grad` (fuses the softmax / one-hot arithmetic of a chunk)."""
+    return torch.compile(_chunk_loss_and_grad, dynamic=True)
 
 
 @functools.cache
@@ -95,12 +106,13 @@ def linear_cross_entropy_sum(
     labels: torch.Tensor,
     chunk_tokens: int | None = None,
     use_liger: bool = True,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Sum over labelled tokens of CE(hidden @ weight.T, labels): fp32 0-dim tensor.
 
     hidden [..., H] and labels [...] (long, -100 = ignore) are flattened to tokens. On CUDA with
     liger-kernel importable (and `use_liger`), liger's fused kernel is used; otherwise the chunked
-    PyTorch implementation above.
+    PyTorch implementation above (`compiled`: its per-chunk arithmetic under torch.compile).
     """
     hidden_TH = hidden.reshape(-1, hidden.shape[-1])
     labels_T = labels.reshape(-1)
@@ -109,7 +121,7 @@ def linear_cross_entropy_sum(
         if liger is not None:
             return liger(weight_VH, hidden_TH, labels_T).float()
     chunk = chunk_tokens or default_chunk_tokens(weight_VH.shape[0])
-    return _ChunkedLinearCrossEntropy.apply(hidden_TH, weight_VH, labels_T, chunk)
+    return _ChunkedLinearCrossEntropy.apply(hidden_TH, weight_VH, labels_T, chunk, compiled)
 
 
 def shift_labels(labels_BS: torch.Tensor, shift: int) -> torch.Tensor:
@@ -152,6 +164,7 @@ def micro_batch_loss(
     mtp_loss_weight: float,
     balance_scale: float,
     chunk_tokens: int | None = None,
+    compiled: bool = False,
 ) -> StepLoss:
     """CE/N_main + mtp_loss_weight * mean_k(MTP_k/N_k) + balance_scale * out.balance_loss.
 
@@ -160,13 +173,13 @@ def micro_batch_loss(
     `balance_scale` = 1 / (micro-batches x data ranks), so the balance term adds up to its global mean.
     """
     norms = normalisers.clamp(min=1).float()
-    ce = linear_cross_entropy_sum(out.hidden, lm_head_weight, labels_BS, chunk_tokens) / norms[0]
+    ce = linear_cross_entropy_sum(out.hidden, lm_head_weight, labels_BS, chunk_tokens, compiled=compiled) / norms[0]
     total = ce
     mtp = torch.zeros((), device=ce.device)
     mtp_hidden = out.mtp_hidden or []
     if mtp_hidden:
         terms = [
-            linear_cross_entropy_sum(h, lm_head_weight, y, chunk_tokens) / norms[k + 1]
+            linear_cross_entropy_sum(h, lm_head_weight, y, chunk_tokens, compiled=compiled) / norms[k + 1]
             for k, (h, y) in enumerate(zip(mtp_hidden, mtp_labels(labels_BS, len(mtp_hidden))))
         ]
         mtp = torch.stack(terms).mean()

@@ -94,6 +94,7 @@ class MetricsLogger:
     _skipped_total: int = field(default=0, init=False)
     _qk_clip_total: int = field(default=0, init=False)
     _start_time: float = field(default_factory=time.perf_counter, init=False)
+    _seen_first: bool = field(default=False, init=False)
     _steps_timed: int = field(default=0, init=False)
     _time_total: float = field(default=0.0, init=False)
     _wandb: Any = field(default=None, init=False)
@@ -138,9 +139,10 @@ class MetricsLogger:
         self._window.append(rec)
         self._skipped_total += int(rec.skipped)
         self._qk_clip_total += rec.qk_clip_events
-        if rec.step > 1 or len(self._window) > 1:  # the first step includes compilation / warm-up
+        if self._seen_first:  # the first step of a run includes compilation / warm-up: not in the ETA
             self._steps_timed += 1
             self._time_total += rec.step_time_s
+        self._seen_first = True
         if rec.step % self.log_freq == 0 or rec.step == self.total_steps:
             self.flush()
 

@@ -113,6 +113,10 @@ class _StopSignal:
             self._old[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        if self.received is not None:  # a second signal: stop waiting for the step to finish
+            self.restore()
+            signal.raise_signal(signum)
+            return
         self.received = signum
         logger.warning("received %s: finishing this step, saving a checkpoint, then exiting", signal.Signals(signum).name)
 
@@ -195,6 +199,7 @@ class Trainer:
         self.optimizers = build_optimizers(self.model, c)  # Muon + AdamW container with .lr_scheduler
         self.lr_scheduler = self.optimizers.lr_scheduler
         self.qk_clip_threshold = c.optimizer.qk_clip_threshold
+        self.compile_loss = c.compile.enable and "loss" in c.compile.components
         self.model.set_record_max_logits(self.qk_clip_threshold > 0)
 
         self.run_folder = Path(c.run_folder)
@@ -257,7 +262,8 @@ class Trainer:
             mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
             out = self.model(mb["input_ids"], mb["position_ids"], mb["document_ids"], return_hidden=True)
             loss = micro_batch_loss(
-                out, self.model.lm_head.weight, mb["labels"], normalisers, t.mtp_loss_weight, balance_scale
+                out, self.model.lm_head.weight, mb["labels"], normalisers, t.mtp_loss_weight, balance_scale,
+                compiled=self.compile_loss,
             )
             counts = [s.tokens_per_expert for s in out.router_stats]
             tokens_per_expert = counts if tokens_per_expert is None else [a + b for a, b in zip(tokens_per_expert, counts)]

@@ -22,7 +22,10 @@ Placement rules (what decides the communication):
     shapes alone). Matrices are processed in chunks of `world` matrices: an all-to-all sends every rank's
     rows of the Nesterov input to the owner (in `comm_dtype`), the owner runs NS, a second all-to-all
     returns each rank's rows of the result, and every rank applies decay + update to its local rows.
-    The gather of chunk i+1 is issued (async) before NS of chunk i, so communication overlaps compute.
+    The gather of chunk i+1 is issued (async) before NS of chunk i, so communication overlaps compute,
+    and the first gather is in flight while the local (unsharded / expert) matrices are orthogonalised.
+    Every rank of the group must hold gradients for the same row-sharded parameters (FSDP2 guarantees
+    it: its reduce-scatter produces every shard's gradient), since they join the same collectives.
 
 State: `momentum_buffer` per parameter, created with `zeros_like(param)` — a DTensor with the parameter's
 placements for DTensor parameters, so DCP saves/loads it sharded. The buffer follows the spec's
@@ -201,10 +204,15 @@ class Muon(torch.optim.Optimizer):
                     key = (id(p.device_mesh), mesh_dims[0])
                     flops = _ns_flops(p.shape, group["row_split"], group["ns_steps"])
                     sharded.setdefault(key, []).append(_ShardedItem(p, update, group, flops))
+        # start every sharded pipeline (its first all-to-all is in flight during the local NS), then finish them
+        pipelines = [self._sharded_pipeline(items) for items in sharded.values()]
+        for pipeline in pipelines:
+            next(pipeline)
         for bucket in local_buckets.values():
             self._step_local(bucket)
-        for items in sharded.values():
-            self._step_sharded(items)
+        for pipeline in pipelines:
+            for _ in pipeline:
+                pass
         return loss
 
     def _step_local(self, bucket: list[tuple[torch.Tensor, torch.Tensor, dict]]) -> None:
@@ -217,7 +225,9 @@ class Muon(torch.optim.Optimizer):
             self._apply(local(p), o, group, p.shape)
 
     # ------------------------------------------------------------------ distributed (owner) path
-    def _step_sharded(self, items: list[_ShardedItem]) -> None:
+    def _sharded_pipeline(self, items: list[_ShardedItem]):
+        """Owner pipeline for row-sharded 2-D matrices of one mesh group (see module doc). A generator: it
+        pauses once, right after issuing the first gather, so the caller can overlap other work."""
         p0 = items[0].param
         mesh_dim = _split_mesh_dims(p0)[0]
         pg = p0.device_mesh.get_group(mesh_dim)
@@ -297,7 +307,8 @@ class Muon(torch.optim.Optimizer):
                     offset += n
                     self._apply(local(it.param), ortho_local, it.group, it.param.shape)
 
-        gathers = [launch_gather(chunks[0])] if chunks else []
+        gathers = [launch_gather(chunks[0])]
+        yield
         scatters = []
         for i, chunk in enumerate(chunks):
             if i + 1 < len(chunks):

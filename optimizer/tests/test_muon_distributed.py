@@ -84,6 +84,17 @@ def _worker(rank, world, port, expected):
         dist.destroy_process_group()
 
 
+def _single_process_result() -> dict[str, torch.Tensor]:
+    """The reference: the same steps with plain tensors in one process (local NS of each full matrix)."""
+    params = {k: v.clone().requires_grad_() for k, v in _init_params().items()}
+    opt = _muon(params)
+    for step in range(STEPS):
+        for k, g in _grads(step).items():
+            params[k].grad = g
+        opt.step()
+    return {k: p.detach() for k, p in params.items()}
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -92,13 +103,7 @@ def _free_port():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_muon_matches_single_process(world):
-    params = {k: v.clone().requires_grad_() for k, v in _init_params().items()}
-    opt = _muon(params)
-    for step in range(STEPS):
-        for k, g in _grads(step).items():
-            params[k].grad = g
-        opt.step()
-    expected = {k: p.detach() for k, p in params.items()}
+    expected = _single_process_result()
     # fork (CPU only, no CUDA touched): ranks inherit the imported modules, so the test takes seconds
     mp.start_processes(_worker, args=(world, _free_port(), expected), nprocs=world, join=True, start_method="fork")
 
@@ -166,3 +171,31 @@ def _state_dict_worker(rank, world, port):
 
 def test_fsdp2_optimizer_state_dict_round_trip():
     mp.start_processes(_state_dict_worker, args=(2, _free_port()), nprocs=2, join=True, start_method="fork")
+
+
+def _hsdp_worker(rank, world, port, expected):
+    """HSDP layout: 2 replicas x 2 shards, placements (Replicate(), Shard(0)); the owner pipeline runs inside
+    each shard group and both replicas end with the single-process result."""
+    from torch.distributed.tensor import Replicate
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        placements = [Replicate(), Shard(0)]
+        params = {k: nn.Parameter(distribute_tensor(v, mesh, placements)) for k, v in _init_params().items()}
+        opt = _muon(params, comm_dtype=torch.float32)
+        for step in range(STEPS):
+            for k, g in _grads(step).items():
+                params[k].grad = distribute_tensor(g, mesh, placements)
+            opt.step()
+        for k, p in params.items():
+            torch.testing.assert_close(p.full_tensor(), expected[k], rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hsdp_muon_matches_single_process():
+    expected = _single_process_result()
+    mp.start_processes(_hsdp_worker, args=(4, _free_port(), expected), nprocs=4, join=True, start_method="fork")

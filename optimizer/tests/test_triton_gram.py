@@ -1,4 +1,4 @@
-"""Triton X X^T (upper-triangle blocks, mirrored) vs PyTorch; CUDA + triton only."""
+"""Triton alpha X X^T + beta C (upper-triangle blocks, mirrored) vs PyTorch; CUDA + triton only."""
 
 import pytest
 import torch
@@ -25,6 +25,19 @@ def test_gram_matches_torch(shape, dtype):
     tol = 1e-5 * k**0.5 if dtype == torch.float32 else 8e-3
     scale = ref.abs().amax(dim=(-2, -1), keepdim=True).clamp(min=1e-6)
     assert ((got.double() - ref).abs() / scale).max() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gram_with_fused_axpy(dtype):
+    gen = torch.Generator("cuda").manual_seed(2)
+    x = torch.randn(3, 300, 200, device="cuda", generator=gen).to(dtype)
+    c = torch.randn(3, 300, 300, device="cuda", generator=gen)
+    c = (c + c.mT).to(dtype)
+    got = triton_gram.gram_triton(x, c, alpha=2.0315, beta=-4.7750)
+    ref = 2.0315 * (x.double() @ x.double().mT) - 4.7750 * c.double()
+    assert torch.equal(got, got.mT)
+    tol = 1e-5 * 200**0.5 if dtype == torch.float32 else 8e-3
+    assert ((got.double() - ref).abs() / ref.abs().max()).max() < tol
 
 
 def test_newton_schulz_triton_vs_torch_backend(monkeypatch):
