@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import statistics
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -170,7 +171,7 @@ def time_column(case: Case, column: str, warmup: int, iters: int, copy_gbs: floa
             fwd_ms = time_ms(forward, warmup, iters)
             fwd_bwd_ms = time_ms(forward_backward, warmup, iters)
     except Exception as error:  # noqa: BLE001 - keep the other columns of a long GPU run
-        return {"error": f"{type(error).__name__}: {error}"[:500]}
+        return {"error": f"{type(error).__name__}: {error}"[:500], "traceback": traceback.format_exc()[-4000:]}
     total_bytes = case.bytes_fwd + case.bytes_bwd
     return {
         "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,

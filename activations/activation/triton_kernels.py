@@ -2,9 +2,9 @@
 
 Imported only on the CUDA path (it imports triton). All math is fp32; inputs/outputs keep their dtype.
 Layout: 2-D row views with unit stride along the feature dim D. RMSNorm forward: one program per row
-(BLOCK_D = next power of two >= D). RMSNorm backward: each program walks a contiguous block of rows and
-keeps a private fp32 partial of dL/dweight (summed afterwards with torch: no atomics, deterministic).
-PolyNorm: one program per row, walking the row in chunks of at most POLY_CHUNK features.
+(BLOCK_D = next power of two >= D). RMSNorm backward: dx one program per row, then dL/dweight by a
+column-sliced kernel writing fp32 partials per block of rows (summed with torch: no atomics, deterministic).
+PolyNorm: one program per row, in registers when the row fits POLY_CHUNK features, else walked in chunks.
 
 PolyNorm kernels serve three ops through compile-time flags: HAS_UP (fused multiply by `up`), GROUPED
 (per-row expert index -> per-expert coefficients; rows whose index == num_experts are padding: they load
@@ -26,8 +26,8 @@ from .segments import expert_of_row
 def _launch_config(d: int) -> tuple[int, int]:
     """(BLOCK_D, num_warps) for a row of d features: 16 fp32 elements per thread from 2048 features on.
 
-    Up to 32 warps (16384 features, e.g. mHC's RMSNorm over n*H) so a whole row plus the RMSNorm
-    backward's resident weight and dweight partial stay close to the register budget."""
+    Up to 32 warps (16384 features, e.g. mHC's RMSNorm over n*H) so a whole fp32 row and its
+    temporaries stay within the register budget."""
     block_d = triton.next_power_of_2(d)
     return block_d, max(4, min(32, block_d // 512))
 
@@ -67,32 +67,51 @@ def _rms_fwd_kernel(
 
 
 @triton.jit
-def _rms_bwd_kernel(
-    DY, DH, H, W, RSTD, DX, DW_PARTIAL,
+def _rms_bwd_dx_kernel(
+    DY, DH, H, W, RSTD, DX,
     stride_dy, stride_dh, stride_h, stride_dx,
-    n_rows, D, rows_per_program,
+    D,
     HAS_DH: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    """dx of one row: rstd * g w - rstd^3 mean(g w h) h (+ dh, the gradient of the x + residual output)."""
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     in_row = cols < D
-    w = tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for i in range(0, rows_per_program):
-        # the last program may run past n_rows: those iterations load zeros and store nothing
-        row = pid.to(tl.int64) * rows_per_program + i
-        mask = in_row & (row < n_rows)
-        h = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row, mask=row < n_rows, other=0.0)
-        gw = g * w
-        mean_gwh = tl.sum(gw * h, axis=0) / D
-        dx = rstd * gw - (rstd * rstd * rstd * mean_gwh) * h
-        if HAS_DH:
-            dx += tl.load(DH + row * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
-        dw_acc += g * h * rstd
-    tl.store(DW_PARTIAL + pid.to(tl.int64) * D + cols, dw_acc, mask=in_row)
+    h = tl.load(H + row * stride_h + cols, mask=in_row, other=0.0).to(tl.float32)
+    gw = tl.load(DY + row * stride_dy + cols, mask=in_row, other=0.0).to(tl.float32)
+    gw *= tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
+    rstd = tl.load(RSTD + row)
+    mean_gwh = tl.sum(gw * h, axis=0) / D
+    dx = rstd * gw - (rstd * rstd * rstd * mean_gwh) * h
+    if HAS_DH:
+        dx += tl.load(DH + row * stride_dh + cols, mask=in_row, other=0.0).to(tl.float32)
+    tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def _rms_bwd_dw_kernel(
+    DY, H, RSTD, DW_PARTIAL,
+    stride_dy, stride_h,
+    n_rows, D, rows_per_program,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Partial dL/dweight = sum over a block of rows of g h rstd, for one slice of BLOCK_C columns.
+
+    Grid (column slices, row blocks); rows_per_program is a multiple of BLOCK_R."""
+    col_block = tl.program_id(0)
+    row_block = tl.program_id(1).to(tl.int64)
+    cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_cols = cols < D
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for start in range(0, rows_per_program, BLOCK_R):
+        rows = row_block * rows_per_program + start + tl.arange(0, BLOCK_R)
+        in_rows = rows < n_rows
+        mask = in_rows[:, None] & in_cols[None, :]
+        h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=in_rows, other=0.0)
+        acc += g * h * rstd[:, None]
+    tl.store(DW_PARTIAL + row_block * D + cols, tl.sum(acc, axis=0), mask=in_cols)
 
 
 def rms_norm_fwd(x_ND, residual_ND, weight_D, eps):
@@ -116,34 +135,54 @@ def rms_norm_fwd(x_ND, residual_ND, weight_D, eps):
     return y, h, rstd
 
 
+# RMSNorm weight-gradient kernel tiles: BLOCK_R rows x BLOCK_C columns (128 bf16 columns = 256 B per row).
+RMS_DW_BLOCK_R = 32
+RMS_DW_BLOCK_C = 128
+
+
 def rms_norm_bwd(dy_ND, dh_ND, h_ND, weight_D, rstd_N):
-    """Returns (dx_ND in h's dtype, dweight fp32 [D]); dh_ND (grad of the x + residual output) is added."""
+    """Returns (dx_ND in h's dtype, dweight fp32 [D]); dh_ND (grad of the x + residual output) is added.
+
+    Two kernels, as inductor does it: dx one row per program (only the row and the weight in registers),
+    then dweight as a column-sliced reduction that re-reads h and dy, written as fp32 partials per row
+    block and summed by torch (deterministic). A single kernel that also accumulated a whole-row dweight
+    partial per program held 4 row-sized fp32 vectors in registers: ~2 resident programs per SM at
+    4096 features, register spills at 16384."""
     dy_ND = _unit_stride(dy_ND)
     h_ND = _unit_stride(h_ND)
     n, d = h_ND.shape
     dx = h_ND.new_empty((n, d))
     if n == 0:
         return dx, weight_D.new_zeros((d,), dtype=torch.float32)
-    num_programs = min(n, 4 * _num_sms(h_ND.device))
-    rows_per_program = triton.cdiv(n, num_programs)
-    num_programs = triton.cdiv(n, rows_per_program)
-    dw_partial = h_ND.new_empty((num_programs, d), dtype=torch.float32)
     has_dh = dh_ND is not None
     dh = _unit_stride(dh_ND) if has_dh else dy_ND
     block_d, num_warps = _launch_config(d)
-    _rms_bwd_kernel[(num_programs,)](
-        dy_ND, dh, h_ND, weight_D.contiguous(), rstd_N, dx, dw_partial,
+    _rms_bwd_dx_kernel[(n,)](
+        dy_ND, dh, h_ND, weight_D.contiguous(), rstd_N, dx,
         dy_ND.stride(0), dh.stride(0), h_ND.stride(0), dx.stride(0),
-        n, d, rows_per_program,
+        d,
         HAS_DH=has_dh, BLOCK_D=block_d, num_warps=num_warps,
+    )
+    col_blocks = triton.cdiv(d, RMS_DW_BLOCK_C)
+    # about 4 programs per SM in all; every program walks a multiple of RMS_DW_BLOCK_R rows
+    row_blocks = max(1, min(triton.cdiv(4 * _num_sms(h_ND.device), col_blocks), triton.cdiv(n, RMS_DW_BLOCK_R)))
+    rows_per_program = triton.cdiv(triton.cdiv(n, row_blocks), RMS_DW_BLOCK_R) * RMS_DW_BLOCK_R
+    row_blocks = triton.cdiv(n, rows_per_program)
+    dw_partial = h_ND.new_empty((row_blocks, d), dtype=torch.float32)
+    _rms_bwd_dw_kernel[(col_blocks, row_blocks)](
+        dy_ND, h_ND, rstd_N, dw_partial,
+        dy_ND.stride(0), h_ND.stride(0),
+        n, d, rows_per_program,
+        BLOCK_R=RMS_DW_BLOCK_R, BLOCK_C=RMS_DW_BLOCK_C, num_warps=4,
     )
     return dx, dw_partial.sum(0)
 
 
 # ------------------------------------------------------------------------------------------ PolyNorm
-# Rows longer than POLY_CHUNK are processed in column chunks with two passes over the row (moments,
-# then outputs): a whole 12288-wide fp32 row with its temporaries does not fit in registers. The second
-# pass re-reads the row, normally from L1/L2.
+# Rows of at most POLY_CHUNK features (Motif's 1280-wide experts) are read once and kept in registers
+# (ONE_CHUNK). Longer rows are processed in column chunks with two passes over the row (moments, then
+# outputs): a whole 12288-wide fp32 row with its temporaries does not fit in registers. The second pass
+# re-reads the row, normally from L1/L2.
 POLY_CHUNK = 4096
 
 
@@ -168,47 +207,99 @@ def _row_coefficients(EXPERT, W, B, row, num_experts, GROUPED: tl.constexpr):
 
 
 @triton.jit
+def _poly_fwd_chunk(
+    x, cols, in_row, valid, row, UP, Y, stride_up, stride_y, c1, c2, c3, b, output_scale,
+    HAS_UP: tl.constexpr, APPLY_SCALE: tl.constexpr,
+):
+    """Store out = (P(x) [* up]).to(dtype) [* output_scale] for one chunk of a row (x already fp32)."""
+    p = ((c3 * x + c2) * x + c1) * x + b
+    if HAS_UP:
+        p = p * tl.load(UP + row * stride_up + cols, mask=in_row & valid, other=0.0).to(tl.float32)
+    out = p.to(Y.dtype.element_ty)
+    if APPLY_SCALE:
+        out = (out.to(tl.float32) * output_scale).to(Y.dtype.element_ty)
+    tl.store(Y + row * stride_y + cols, out, mask=in_row)
+
+
+@triton.jit
 def _poly_fwd_kernel(
     X, UP, W, B, EXPERT, Y, RSTD,
     stride_x, stride_up, stride_y,
     D, num_experts, eps, output_scale,
     HAS_UP: tl.constexpr, GROUPED: tl.constexpr, APPLY_SCALE: tl.constexpr, CHUNK: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNK)
     w0, w1, w2, b, valid = _row_coefficients(EXPERT, W, B, row, num_experts, GROUPED)
-    # pass 1: moments mean(x^2), mean(x^4), mean(x^6)
-    acc2 = tl.zeros([CHUNK], dtype=tl.float32)
-    acc4 = tl.zeros([CHUNK], dtype=tl.float32)
-    acc6 = tl.zeros([CHUNK], dtype=tl.float32)
-    for start in range(0, D, CHUNK):
-        cols = start + offs
-        x = tl.load(X + row * stride_x + cols, mask=(cols < D) & valid, other=0.0).to(tl.float32)
+    # moments mean(x^2), mean(x^4), mean(x^6): from registers when the row fits one chunk, else pass 1
+    if ONE_CHUNK:
+        in_row = offs < D
+        x = tl.load(X + row * stride_x + offs, mask=in_row & valid, other=0.0).to(tl.float32)
         x2 = x * x
-        acc2 += x2
-        acc4 += x2 * x2
-        acc6 += x2 * x2 * x2
-    r1 = tl.rsqrt(tl.sum(acc2, axis=0) / D + eps)
-    r2 = tl.rsqrt(tl.sum(acc4, axis=0) / D + eps)
-    r3 = tl.rsqrt(tl.sum(acc6, axis=0) / D + eps)
+        s2 = tl.sum(x2, axis=0)
+        s4 = tl.sum(x2 * x2, axis=0)
+        s6 = tl.sum(x2 * x2 * x2, axis=0)
+    else:
+        acc2 = tl.zeros([CHUNK], dtype=tl.float32)
+        acc4 = tl.zeros([CHUNK], dtype=tl.float32)
+        acc6 = tl.zeros([CHUNK], dtype=tl.float32)
+        for start in range(0, D, CHUNK):
+            cols = start + offs
+            x = tl.load(X + row * stride_x + cols, mask=(cols < D) & valid, other=0.0).to(tl.float32)
+            x2 = x * x
+            acc2 += x2
+            acc4 += x2 * x2
+            acc6 += x2 * x2 * x2
+        s2 = tl.sum(acc2, axis=0)
+        s4 = tl.sum(acc4, axis=0)
+        s6 = tl.sum(acc6, axis=0)
+    r1 = tl.rsqrt(s2 / D + eps)
+    r2 = tl.rsqrt(s4 / D + eps)
+    r3 = tl.rsqrt(s6 / D + eps)
     c3 = w0 * r3
     c2 = w1 * r2
     c1 = w2 * r1
-    # pass 2: out = (P(x) [* up]).to(dtype) [* output_scale]; padding rows have zero coefficients -> 0
-    for start in range(0, D, CHUNK):
-        cols = start + offs
-        in_row = cols < D
-        x = tl.load(X + row * stride_x + cols, mask=in_row & valid, other=0.0).to(tl.float32)
-        p = ((c3 * x + c2) * x + c1) * x + b
-        if HAS_UP:
-            p = p * tl.load(UP + row * stride_up + cols, mask=in_row & valid, other=0.0).to(tl.float32)
-        out = p.to(Y.dtype.element_ty)
-        if APPLY_SCALE:
-            out = (out.to(tl.float32) * output_scale).to(Y.dtype.element_ty)
-        tl.store(Y + row * stride_y + cols, out, mask=in_row)
+    # outputs; padding rows have zero coefficients -> 0
+    if ONE_CHUNK:
+        _poly_fwd_chunk(x, offs, in_row, valid, row, UP, Y, stride_up, stride_y, c1, c2, c3, b, output_scale,
+                        HAS_UP, APPLY_SCALE)
+    else:
+        for start in range(0, D, CHUNK):  # pass 2 re-reads the row (normally from L2)
+            cols = start + offs
+            in_row = cols < D
+            x = tl.load(X + row * stride_x + cols, mask=in_row & valid, other=0.0).to(tl.float32)
+            _poly_fwd_chunk(x, cols, in_row, valid, row, UP, Y, stride_up, stride_y, c1, c2, c3, b, output_scale,
+                            HAS_UP, APPLY_SCALE)
     tl.store(RSTD + row * 3 + 0, r1)
     tl.store(RSTD + row * 3 + 1, r2)
     tl.store(RSTD + row * 3 + 2, r3)
+
+
+@triton.jit
+def _poly_bwd_load_chunk(X, DY, UP, row, cols, mask, stride_x, stride_dy, stride_up, output_scale,
+                         HAS_UP: tl.constexpr):
+    """(x, g_out = dL/dout * output_scale, g = dL/dP) of one chunk, fp32 (g = g_out * up with `up`)."""
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    g_out = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32) * output_scale
+    g = g_out
+    if HAS_UP:
+        g = g_out * tl.load(UP + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    return x, g_out, g
+
+
+@triton.jit
+def _poly_bwd_store_chunk(
+    x, g_out, g, cols, in_row, row, DX, DUP, stride_dx, stride_dup, c1, c2, c3, b, k1, k2, k3,
+    HAS_UP: tl.constexpr,
+):
+    """Store dx (and d up = g_out * P(x)) of one chunk."""
+    if HAS_UP:
+        p = ((c3 * x + c2) * x + c1) * x + b
+        tl.store(DUP + row * stride_dup + cols, (g_out * p).to(DUP.dtype.element_ty), mask=in_row)
+    x2 = x * x
+    dx = g * ((3.0 * c3 * x + 2.0 * c2) * x + c1) - x * (k1 + x2 * (k2 + x2 * k3))
+    tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=in_row)
 
 
 @triton.jit
@@ -216,7 +307,7 @@ def _poly_bwd_kernel(
     DY, X, UP, W, B, EXPERT, RSTD, DX, DUP, STATS,
     stride_dy, stride_x, stride_up, stride_dx, stride_dup,
     D, num_experts, output_scale,
-    HAS_UP: tl.constexpr, GROUPED: tl.constexpr, CHUNK: tl.constexpr,
+    HAS_UP: tl.constexpr, GROUPED: tl.constexpr, CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNK)
@@ -227,50 +318,55 @@ def _poly_bwd_kernel(
     c3 = w0 * r3
     c2 = w1 * r2
     c1 = w2 * r1
-    # pass 1: with g = dL/dP, the row sums t_p = sum(g x^p) and sum(g)
-    acc1 = tl.zeros([CHUNK], dtype=tl.float32)
-    acc2 = tl.zeros([CHUNK], dtype=tl.float32)
-    acc3 = tl.zeros([CHUNK], dtype=tl.float32)
-    acc_g = tl.zeros([CHUNK], dtype=tl.float32)
-    for start in range(0, D, CHUNK):
-        cols = start + offs
-        mask = (cols < D) & valid
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32) * output_scale
-        if HAS_UP:
-            g = g * tl.load(UP + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    # with g = dL/dP, the row sums t_p = sum(g x^p) and sum(g): from registers when the row fits one
+    # chunk (the row is then read once), else in a first pass over the chunks
+    if ONE_CHUNK:
+        in_row = offs < D
+        x, g_out, g = _poly_bwd_load_chunk(X, DY, UP, row, offs, in_row & valid, stride_x, stride_dy, stride_up,
+                                           output_scale, HAS_UP)
         gx = g * x
-        acc_g += g
-        acc1 += gx
-        acc2 += gx * x
-        acc3 += gx * x * x
-    t1 = tl.sum(acc1, axis=0)
-    t2 = tl.sum(acc2, axis=0)
-    t3 = tl.sum(acc3, axis=0)
+        t1 = tl.sum(gx, axis=0)
+        t2 = tl.sum(gx * x, axis=0)
+        t3 = tl.sum(gx * x * x, axis=0)
+        t0 = tl.sum(g, axis=0)
+    else:
+        acc1 = tl.zeros([CHUNK], dtype=tl.float32)
+        acc2 = tl.zeros([CHUNK], dtype=tl.float32)
+        acc3 = tl.zeros([CHUNK], dtype=tl.float32)
+        acc_g = tl.zeros([CHUNK], dtype=tl.float32)
+        for start in range(0, D, CHUNK):
+            cols = start + offs
+            x, g_out, g = _poly_bwd_load_chunk(X, DY, UP, row, cols, (cols < D) & valid, stride_x, stride_dy,
+                                               stride_up, output_scale, HAS_UP)
+            gx = g * x
+            acc_g += g
+            acc1 += gx
+            acc2 += gx * x
+            acc3 += gx * x * x
+        t1 = tl.sum(acc1, axis=0)
+        t2 = tl.sum(acc2, axis=0)
+        t3 = tl.sum(acc3, axis=0)
+        t0 = tl.sum(acc_g, axis=0)
     # d/dx [w x^p r_p] = w r_p p x^(p-1) g - w r_p^3 mean(g x^p) p x^(2p-1)   (model-spec §1.1), so
     # dx = g (c1 + 2 c2 x + 3 c3 x^2) - (k1 x + 2 k2 x^3 + 3 k3 x^5) with k_p = c_p r_p^2 t_p / D
     k1 = c1 * r1 * r1 * t1 / D
     k2 = 2.0 * c2 * r2 * r2 * t2 / D
     k3 = 3.0 * c3 * r3 * r3 * t3 / D
-    # pass 2: dx (and d up = dL/dout * scale * P(x))
-    for start in range(0, D, CHUNK):
-        cols = start + offs
-        in_row = cols < D
-        mask = in_row & valid
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32) * output_scale
-        if HAS_UP:
-            up = tl.load(UP + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-            p = ((c3 * x + c2) * x + c1) * x + b
-            tl.store(DUP + row * stride_dup + cols, (g * p).to(DUP.dtype.element_ty), mask=in_row)
-            g = g * up
-        x2 = x * x
-        dx = g * ((3.0 * c3 * x + 2.0 * c2) * x + c1) - x * (k1 + x2 * (k2 + x2 * k3))
-        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=in_row)
+    if ONE_CHUNK:
+        _poly_bwd_store_chunk(x, g_out, g, offs, in_row, row, DX, DUP, stride_dx, stride_dup, c1, c2, c3, b,
+                              k1, k2, k3, HAS_UP)
+    else:
+        for start in range(0, D, CHUNK):  # pass 2 re-reads the row chunks (normally from L2)
+            cols = start + offs
+            in_row = cols < D
+            x, g_out, g = _poly_bwd_load_chunk(X, DY, UP, row, cols, in_row & valid, stride_x, stride_dy,
+                                               stride_up, output_scale, HAS_UP)
+            _poly_bwd_store_chunk(x, g_out, g, cols, in_row, row, DX, DUP, stride_dx, stride_dup, c1, c2, c3, b,
+                                  k1, k2, k3, HAS_UP)
     tl.store(STATS + row * 4 + 0, r3 * t3)
     tl.store(STATS + row * 4 + 1, r2 * t2)
     tl.store(STATS + row * 4 + 2, r1 * t1)
-    tl.store(STATS + row * 4 + 3, tl.sum(acc_g, axis=0))
+    tl.store(STATS + row * 4 + 3, t0)
 
 
 @triton.jit
@@ -346,7 +442,7 @@ def poly_norm_fwd(x_ND, up_ND, weight_E3, bias_E1, offs_E, eps, output_scale):
         x_ND.stride(0), up.stride(0), y.stride(0),
         d, num_experts, eps, output_scale,
         HAS_UP=up_ND is not None, GROUPED=offs_E is not None, APPLY_SCALE=output_scale != 1.0,
-        CHUNK=chunk, num_warps=num_warps,
+        CHUNK=chunk, ONE_CHUNK=d <= chunk, num_warps=num_warps,
     )
     return y, rstd
 
@@ -371,7 +467,8 @@ def poly_norm_bwd(dy_ND, x_ND, up_ND, weight_E3, bias_E1, offs_E, rstd_N3, outpu
         rstd_N3, dx, dup if up_ND is not None else dx, stats,
         dy_ND.stride(0), x_ND.stride(0), up.stride(0), dx.stride(0), d,
         d, num_experts, output_scale,
-        HAS_UP=up_ND is not None, GROUPED=offs_E is not None, CHUNK=chunk, num_warps=num_warps,
+        HAS_UP=up_ND is not None, GROUPED=offs_E is not None, CHUNK=chunk, ONE_CHUNK=d <= chunk,
+        num_warps=num_warps,
     )
     if expert_N is None:
         return dx, dup, stats.sum(0, keepdim=True)

@@ -63,7 +63,7 @@ class ParallelizedModel:
 
     def sync_replicated_grads(self) -> None:
         """All-reduce (SUM) the grads of the non-FSDP (replicated fp32) parameters in one flat buffer."""
-        if not self.fsdp or not self.replicated_param_names:
+        if not self.fsdp or not self.replicated_param_names or dist.get_world_size(self.grad_group) == 1:
             return
         params = [self.model.get_parameter(name) for name in self.replicated_param_names]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

@@ -79,9 +79,10 @@ def _chunk_loss_and_grad(h_CH: torch.Tensor, weight_VH: torch.Tensor, y_C: torch
     safe_y_C = torch.where(valid_C, y_C, torch.zeros_like(y_C))
     target_logit_C = logits_CV.gather(1, safe_y_C[:, None]).squeeze(1)
     loss = ((lse_C - target_logit_C) * valid_C).sum()
-    probs_CV = torch.exp(logits_CV - lse_C[:, None])
-    onehot_CV = torch.nn.functional.one_hot(safe_y_C, weight_VH.shape[0]).to(probs_CV.dtype)
-    return loss, (probs_CV - onehot_CV) * valid_C[:, None]
+    valid_C1 = valid_C[:, None].to(logits_CV.dtype)
+    grad_CV = (logits_CV - lse_C[:, None]).exp_()  # softmax; the logits buffer is free after this
+    grad_CV.scatter_add_(1, safe_y_C[:, None], -torch.ones_like(valid_C1))  # - onehot
+    return loss, grad_CV.mul_(valid_C1)
 
 
 @functools.cache

@@ -346,7 +346,10 @@ class Trainer:
             is_rank0=self.rank == 0,
             wandb_run_id=self.train_state.wandb_run_id or None,
         )
-        self.train_state.wandb_run_id = metrics.wandb_run_id or ""
+        run_id = [metrics.wandb_run_id or ""]
+        if dist.is_initialized():  # only rank 0 talks to wandb; every rank stores the same id in the checkpoint
+            dist.broadcast_object_list(run_id, src=0)
+        self.train_state.wandb_run_id = run_id[0]
         losses: dict[int, float] = {}
         data = iter(self.dataloader)
         self._stop_requested = False

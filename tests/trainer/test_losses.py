@@ -1,5 +1,6 @@
 """Chunked linear cross-entropy, MTP target shift and global-batch loss normalisation."""
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -126,3 +127,20 @@ def test_accumulated_normalised_loss_equals_full_batch_mean():
     torch.testing.assert_close(total, ref.item() + 0.5, rtol=1e-5, atol=1e-6)  # + mean balance 0.5
     torch.testing.assert_close(weight.grad.double(), w64.grad, rtol=1e-5, atol=1e-7)
     assert balance_per_mb[0].grad.item() == 0.5 and balance_per_mb[1].grad.item() == 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("use_liger", [False, True])
+def test_cuda_bf16_linear_ce_close_to_fp64_reference(use_liger):
+    hidden, weight, labels = _inputs(T=300, H=64, V=5000)
+    h = hidden.cuda().bfloat16().requires_grad_()
+    w = weight.cuda().bfloat16().requires_grad_()
+    loss = linear_cross_entropy_sum(h, w, labels.cuda(), chunk_tokens=128, use_liger=use_liger)
+    loss.backward()
+    h64, w64 = h.detach().double().cpu().requires_grad_(), w.detach().double().cpu().requires_grad_()
+    ref = _reference_ce_sum(h64, w64, labels)
+    ref.backward()
+    torch.testing.assert_close(loss.double().cpu(), ref, rtol=1e-3, atol=1e-2)
+    torch.testing.assert_close(h.grad.double().cpu(), h64.grad, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(w.grad.double().cpu(), w64.grad, rtol=2e-2, atol=2e-2)

@@ -117,3 +117,45 @@ def test_checkpoint_contents_and_config(make_config):
     state = {"train_state": {"step": 0, "config_toml": ""}}
     dcp.load(state, checkpoint_id=str(result.last_checkpoint), no_dist=True)
     assert state["train_state"]["step"] == 2 and "[training]" in state["train_state"]["config_toml"]
+
+
+@pytest.mark.parametrize("fmt", ["hf", "dcp"])
+def test_initial_load_path_sets_weights_when_no_checkpoint(make_config, tmp_path, fmt):
+    from llm_training.convert import main as convert_main
+    from llm_training.motif import get_flavor
+    from llm_training.motif.model import Motif3Model
+    from llm_training.motif.state_dict_adapter import export_hf_checkpoint
+
+    torch.manual_seed(123)
+    source = Motif3Model(get_flavor("motif3_debug"))
+    source.init_weights()
+    export_hf_checkpoint(source, tmp_path / "hf", dtype=torch.float32)
+    path = tmp_path / "hf"
+    if fmt == "dcp":
+        assert convert_main(["hf-to-dcp", str(path), str(tmp_path / "dcp")]) == 0
+        path = tmp_path / "dcp"
+    trainer = Trainer(make_config(f"--checkpoint.initial_load_path={path}",
+                                  f"--checkpoint.initial_load_format={fmt}"), DIMS)
+    trainer._resume_or_initial_load()
+    got = trainer.model.state_dict()
+    assert all(torch.equal(v, got[k]) for k, v in source.state_dict().items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_fsdp_training_resumes_exactly(make_config):
+    """One GPU: FSDP2 (1 rank) bf16 params / fp32 master; stop + resume gives the same losses."""
+    opts = ("--training.device=cuda", "--training.mixed_precision_param=bfloat16", "--training.steps=4",
+            "--checkpoint.interval=2")
+    full = train(make_config("--job.run_name=gpu_full", *opts), DIMS)
+    assert all(math.isfinite(v) for v in full.losses.values())
+    crashed = Trainer(make_config("--job.run_name=gpu_resumed", *opts), DIMS)
+    _crash_at_step(crashed, 3)
+    try:
+        with pytest.raises(_Crash):
+            crashed.fit()
+    finally:
+        crashed.close()
+    resumed = train(make_config("--job.run_name=gpu_resumed", *opts), DIMS)
+    for step in (3, 4):
+        assert resumed.losses[step] == pytest.approx(full.losses[step], rel=1e-3), step
