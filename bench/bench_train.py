@@ -74,8 +74,9 @@ def run_case(flavor: str, seq_len: int, batch: int, ac: str, steps: int, warmup:
         torch.cuda.synchronize()
         if i == 0:
             first = rec
-            # reference: an untrained model predicts ~uniformly, CE ~ ln(V)
-            if not (math.isfinite(rec.ce_loss) and abs(rec.ce_loss - math.log(args.vocab_size)) < 1.0):
+            # reference: an untrained model predicts ~uniformly: CE ~ ln(V) + var(logit)/2, with logit std
+            # 0.02 * sqrt(H) at init (<= 1.3 for H = 4096), so within 1.5 of ln(V)
+            if not (math.isfinite(rec.ce_loss) and abs(rec.ce_loss - math.log(args.vocab_size)) < 1.5):
                 raise RuntimeError(f"{flavor}: first-step CE {rec.ce_loss:.3f} is not ~ln(V) = {math.log(args.vocab_size):.3f}")
         if i >= warmup:
             times_ms.append(start.elapsed_time(end))

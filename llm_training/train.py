@@ -101,7 +101,9 @@ def write_resolved_config(job_config: JobConfig) -> Path:
 
 
 def run(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """The training job proper, after setup. Currently reports the batch layout; the trainer plugs in here."""
+    """The training job proper, after setup: log the batch layout, then train (llm_training.trainer)."""
+    from llm_training.trainer import train  # heavy imports (model, data, optimizer) only once config is valid
+
     accum = grad_accumulation_steps(job_config, parallel_dims.dp_size)
     t = job_config.training
     tokens_per_step = t.local_batch_size * parallel_dims.dp_size * accum * t.seq_len
@@ -118,6 +120,7 @@ def run(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
         f"{tokens_per_step:,}",
         t.steps,
     )
+    train(job_config, parallel_dims)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,7 +94,7 @@ def test_torchrun_two_cpu_ranks(tmp_path):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
         "--master_port", str(port), "-m", "llm_training.train", "--job.config_file", DEBUG_TOML,
-        "--job.dump_folder", str(tmp_path), "--parallelism.expert_parallel_degree=2", *SHORT,
+        "--job.dump_folder", str(tmp_path), *SHORT,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr

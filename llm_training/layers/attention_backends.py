@@ -107,7 +107,10 @@ def sdpa_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, recor
     GQA through `enable_gqa` (torch >= 2.5; our floor is 2.11)."""
     q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKE))
     if window is None and document_ids is None:
-        with (_fused_sdpa_only() if q.is_cuda else contextlib.nullcontext()):
+        # The fused kernels take bf16/fp16 only; fp32 on CUDA (mixed_precision_param = "float32") keeps
+        # torch's full choice, which includes the math kernel.
+        fused_only = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+        with (_fused_sdpa_only() if fused_only else contextlib.nullcontext()):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         S = q.shape[2]

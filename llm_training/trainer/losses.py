@@ -21,60 +21,67 @@ from dataclasses import dataclass
 import torch
 
 IGNORE_INDEX = -100
-# Elements of one fp32 logits chunk (chunk_tokens x vocab): 2^26 = 256 MiB.
-_DEFAULT_CHUNK_ELEMENTS = 1 << 26
+# Elements of one fp32 logits chunk (chunk_tokens x vocab): 2^28 = 1 GiB. Large chunks keep the number of
+# per-chunk [V, H] weight-gradient updates (a full pass over a [V, H] buffer each) small.
+_DEFAULT_CHUNK_ELEMENTS = 1 << 28
 
 
 def default_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk so that one fp32 logits chunk stays around 256 MiB."""
+    """Tokens per chunk so that one fp32 logits chunk stays around 1 GiB (1219 tokens at V = 220160)."""
     return max(1, _DEFAULT_CHUNK_ELEMENTS // vocab_size)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum_t CE(hidden[t] @ weight.T, labels[t]) over labels != -100, in fp32, chunked over tokens.
+    """sum_t CE(hidden[t] @ weight.T, labels[t]) over labels != -100, chunked over tokens.
 
-    Forward computes, per chunk, the fp32 logits, the loss and the gradients w.r.t. the hidden chunk and
-    the weight (softmax - onehot); backward multiplies the stored gradients by the incoming scalar.
-    Peak extra memory: one `[chunk, V]` fp32 block + grad buffers of the input sizes.
+    Matmuls run in the hidden's dtype (bf16 under mixed precision: tensor cores, fp32 accumulation); the
+    log-softmax, the loss and d(loss)/d(logits) are fp32; the weight gradient is accumulated in fp32.
+    Forward computes, per chunk, the loss and the gradients w.r.t. the hidden chunk and the weight
+    (softmax - onehot); backward multiplies the stored gradients by the incoming scalar.
+    Peak extra memory: one `[chunk, V]` fp32 block (+ its low-precision copy) + grad buffers of the inputs.
     """
 
     @staticmethod
     def forward(ctx, hidden_TH, weight_VH, labels_T, chunk_tokens: int, compiled: bool):
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         chunk_fn = _compiled_chunk_loss_and_grad() if compiled else _chunk_loss_and_grad
+        mm_dtype = hidden_TH.dtype
+        w_VH = weight_VH.to(mm_dtype)
         T = hidden_TH.shape[0]
         loss = torch.zeros((), dtype=torch.float32, device=hidden_TH.device)
-        grad_hidden_TH = torch.zeros_like(hidden_TH, dtype=torch.float32) if needs_grad else None
+        grad_hidden_TH = torch.empty_like(hidden_TH) if needs_grad else None
         grad_weight_VH = torch.zeros_like(weight_VH, dtype=torch.float32) if needs_grad else None
-        weight_f32 = weight_VH.float()
         for start in range(0, T, chunk_tokens):
-            h_CH = hidden_TH[start : start + chunk_tokens].float()
+            h_CH = hidden_TH[start : start + chunk_tokens]
             y_C = labels_T[start : start + chunk_tokens]
-            chunk_loss, grad_logits_CV = chunk_fn(h_CH, weight_f32, y_C)
+            chunk_loss, grad_logits_CV = chunk_fn(h_CH, w_VH, y_C)
             loss += chunk_loss
             if needs_grad:
-                grad_hidden_TH[start : start + chunk_tokens] = grad_logits_CV @ weight_f32
-                grad_weight_VH.addmm_(grad_logits_CV.t(), h_CH)
-            del grad_logits_CV
+                g_CV = grad_logits_CV.to(mm_dtype)
+                del grad_logits_CV
+                grad_hidden_TH[start : start + chunk_tokens] = g_CV @ w_VH
+                if mm_dtype == torch.float32:
+                    grad_weight_VH.addmm_(g_CV.t(), h_CH)
+                else:
+                    grad_weight_VH += (g_CV.t() @ h_CH).float()
         if needs_grad:
             ctx.save_for_backward(grad_hidden_TH, grad_weight_VH)
-            ctx.dtypes = (hidden_TH.dtype, weight_VH.dtype)
+            ctx.weight_dtype = weight_VH.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden_TH, grad_weight_VH = ctx.saved_tensors
-        h_dtype, w_dtype = ctx.dtypes
-        g_h = (grad_hidden_TH * grad_loss).to(h_dtype) if ctx.needs_input_grad[0] else None
-        g_w = (grad_weight_VH * grad_loss).to(w_dtype) if ctx.needs_input_grad[1] else None
+        g_h = (grad_hidden_TH * grad_loss.to(grad_hidden_TH.dtype)) if ctx.needs_input_grad[0] else None
+        g_w = (grad_weight_VH * grad_loss).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
         return g_h, g_w, None, None, None
 
 
-def _chunk_loss_and_grad(h_CH: torch.Tensor, weight_VH: torch.Tensor, y_C: torch.Tensor):
-    """One chunk, fp32: (sum of CE over labelled rows, d(sum CE)/d logits [C, V] = softmax - onehot,
-    zero on ignored rows)."""
+def _chunk_loss_and_grad(h_CH: torch.Tensor, w_VH: torch.Tensor, y_C: torch.Tensor):
+    """One chunk: (fp32 sum of CE over labelled rows, fp32 d(sum CE)/d logits [C, V] = softmax - onehot,
+    zero on ignored rows). The logits matmul runs in the inputs' dtype, everything after it in fp32."""
     valid_C = y_C != IGNORE_INDEX
-    logits_CV = h_CH @ weight_VH.t()
+    logits_CV = (h_CH @ w_VH.t()).float()
     lse_C = torch.logsumexp(logits_CV, dim=-1)
     safe_y_C = torch.where(valid_C, y_C, torch.zeros_like(y_C))
     target_logit_C = logits_CV.gather(1, safe_y_C[:, None]).squeeze(1)

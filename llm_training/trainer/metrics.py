@@ -184,15 +184,15 @@ class MetricsLogger:
         }
         if not self.is_rank0:
             return
-        pct = lambda v: None if v is None else 100 * v  # noqa: E731
+        pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
         logger.info(
             "step %d/%d  loss %.4f (ce %.4f mtp %.4f bal %.4g)  gnorm %.3f  lr %.3g  tok/s %.0f  "
-            "TFLOP/s/gpu %s|%s  MFU %s%%|%s%% (megatron|torchtitan)  mem %s GiB  imbalance %s  "
+            "TFLOP/s/gpu %s|%s  MFU %s|%s (megatron|torchtitan)  mem %s GiB  imbalance %s  "
             "qk-clip %d  skipped %d  eta %s",
             last.step, self.total_steps, metrics["loss"], metrics["ce_loss"], metrics["mtp_loss"],
             metrics["balance_loss"], metrics["grad_norm"], last.lr, tps,
             _fmt(tflops["megatron"], ".3g"), _fmt(tflops["torchtitan"], ".3g"),
-            _fmt(pct(mfu["megatron"]), ".1f"), _fmt(pct(mfu["torchtitan"]), ".1f"), _fmt(peak_mem, ".1f"),
+            pct(mfu["megatron"]), pct(mfu["torchtitan"]), _fmt(peak_mem, ".1f"),
             _fmt(metrics["expert_imbalance_max_over_mean"], ".2f"), self._qk_clip_total, self._skipped_total,
             time.strftime("%H:%M:%S", time.gmtime(eta_s)),
         )  # fmt: skip

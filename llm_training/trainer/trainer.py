@@ -172,9 +172,6 @@ class Trainer:
                 f"[training] global_batch_size ({t.global_batch_size}) must equal local_batch_size "
                 f"({t.local_batch_size}) x gradient accumulation x data-parallel size ({self.dp_size})"
             )
-        if t.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True, warn_only=True)
         if c.quantize.mode != "none":
             raise ConfigError(f"[quantize] mode = {c.quantize.mode!r} is not wired into the trainer yet; use 'none'")
         _seed_everything(t.seed)
@@ -354,6 +351,10 @@ class Trainer:
         data = iter(self.dataloader)
         self._stop_requested = False
         self.stop_signal.install()
+        was_deterministic = torch.are_deterministic_algorithms_enabled()
+        if c.training.deterministic:  # warn_only: ops without a deterministic kernel warn instead of failing
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
         try:
             while self.train_state.step < c.training.steps:
                 self.train_state.step += 1
@@ -374,7 +375,10 @@ class Trainer:
                         "stopping without saving. Lower optimizer.lr, check the data, or resume from the last checkpoint"
                     )
                 if self._stop_requested:
-                    logger.warning("stop requested by signal: saving a checkpoint at step %d and exiting", step)
+                    logger.warning(
+                        "stop requested by signal: %s at step %d and exiting",
+                        "saving a checkpoint" if self.checkpointer else "checkpointing is disabled, not saving", step,
+                    )
                     self._save(blocking=True)
                     break
                 if not rec.skipped and step % c.checkpoint.interval == 0 and step < c.training.steps:
@@ -382,6 +386,7 @@ class Trainer:
             if not self._stop_requested and self.train_state.step == c.training.steps:
                 self._save(blocking=True)
         finally:
+            torch.use_deterministic_algorithms(was_deterministic)
             self.stop_signal.restore()
             if self.checkpointer is not None:
                 self.checkpointer.close()

@@ -7,8 +7,10 @@
 in roughly [0.7, 1.2] instead of exactly 1, which is what Muon wants (speed over exactness).
 
 The two symmetric products (X X^T, and b P + c P P^T = b P + c P^2 with the axpy fused in the epilogue) go
-through `gram()`, which uses the Triton kernel in `triton_gram.py` for CUDA tensors when Triton is importable
-(env `MUON_GRAM_BACKEND=torch` forces PyTorch) and `bmm` / `baddbmm` otherwise; the last product
+through `gram()`, which uses `bmm` / `baddbmm` by default and the Triton kernel in `triton_gram.py` for CUDA
+tensors when `MUON_GRAM_BACKEND=triton` (measured on an H200, bench/bench_optimizer.py: the Triton kernel
+is about 2x slower than cuBLAS at the motif3_small attention/MLP shapes and on par for the batched expert
+stacks, so it is opt-in until it wins); the last product
 `a X + poly X` is one `baddbmm`. Matrices are flattened to one batch dim [B, m, k] for the loop.
 """
 
@@ -28,7 +30,10 @@ def default_ns_dtype(device: torch.device) -> torch.dtype:
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    if x.device.type != "cuda" or os.environ.get("MUON_GRAM_BACKEND", "auto") == "torch":
+    backend = os.environ.get("MUON_GRAM_BACKEND", "torch")
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"MUON_GRAM_BACKEND={backend!r}; use 'torch' (default) or 'triton'")
+    if x.device.type != "cuda" or backend == "torch":
         return False
     from optimizer import triton_gram  # lazy: importing the package must work without triton
 

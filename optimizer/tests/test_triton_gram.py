@@ -42,6 +42,7 @@ def test_gram_with_fused_axpy(dtype):
 
 def test_newton_schulz_triton_vs_torch_backend(monkeypatch):
     m = torch.randn(4, 512, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    monkeypatch.setenv("MUON_GRAM_BACKEND", "triton")
     with_triton = newton_schulz(m, dtype=torch.bfloat16)
     monkeypatch.setenv("MUON_GRAM_BACKEND", "torch")
     with_torch = newton_schulz(m, dtype=torch.bfloat16)

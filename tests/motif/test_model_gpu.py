@@ -112,15 +112,9 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-# fp32 + grouped-query heads has no fused SDPA kernel (flash and cuDNN: 16-bit only; efficient: no GQA), and
-# `auto` restricts SDPA to the fused kernels on CUDA, so `auto` without documents (full layers -> SDPA)
-# raises "No available kernel" in fp32. FlexAttention covers fp32; `auto` with documents uses it everywhere.
-FP32_ATTENTION_CASES = [
-    ("flex", False),
-    ("auto", True),
-    pytest.param("auto", False, marks=pytest.mark.xfail(
-        raises=RuntimeError, strict=False, reason="fp32 + GQA: no fused SDPA kernel (attention_backends.py)")),
-]
+# fp32 on CUDA: `auto` uses FlexAttention with a window or documents and SDPA (math kernel allowed for
+# fp32, since the fused kernels are 16-bit only) for plain causal full layers.
+FP32_ATTENTION_CASES = [("flex", False), ("auto", True), ("auto", False)]
 
 
 @pytest.mark.parametrize("attention_backend, with_docs", FP32_ATTENTION_CASES)

@@ -159,3 +159,17 @@ def test_cuda_bf16_fsdp_training_resumes_exactly(make_config):
     resumed = train(make_config("--job.run_name=gpu_resumed", *opts), DIMS)
     for step in (3, 4):
         assert resumed.losses[step] == pytest.approx(full.losses[step], rel=1e-3), step
+
+
+def test_out_of_memory_names_step_and_config_keys(make_config):
+    trainer = Trainer(make_config("--training.steps=3", "--checkpoint.enable=false", "--optimizer.name=adamw"), DIMS)
+
+    def hook(module, args, out):
+        if trainer.train_state.step == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    trainer.model.norm.register_forward_hook(hook)
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        trainer.fit()
+    msg = str(e.value)
+    assert "step 2" in msg and "training.local_batch_size" in msg and "activation_checkpoint.mode" in msg
