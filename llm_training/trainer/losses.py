@@ -132,25 +132,35 @@ def linear_cross_entropy_sum(
     return _ChunkedLinearCrossEntropy.apply(hidden_TH, weight_VH, labels_T, chunk, compiled)
 
 
-def shift_labels(labels_BS: torch.Tensor, shift: int) -> torch.Tensor:
-    """`out[:, t] = labels[:, t + shift]`, the last `shift` columns -100 (MTP targets)."""
+def shift_labels(labels_BS: torch.Tensor, shift: int, document_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+    """`out[:, t] = labels[:, t + shift]`, the last `shift` columns -100 (MTP targets).
+
+    With `document_ids_BS`, a target from another packed document than position t is -100 too, so an MTP
+    module never predicts across a document boundary, whatever the data's label layout.
+    """
     if shift == 0:
         return labels_BS
     out = torch.full_like(labels_BS, IGNORE_INDEX)
     if shift < labels_BS.shape[1]:
-        out[:, :-shift] = labels_BS[:, shift:]
+        shifted = labels_BS[:, shift:]
+        if document_ids_BS is not None:
+            same_doc = document_ids_BS[:, shift:] == document_ids_BS[:, :-shift]
+            shifted = torch.where(same_doc, shifted, IGNORE_INDEX)
+        out[:, :-shift] = shifted
     return out
 
 
-def mtp_labels(labels_BS: torch.Tensor, num_mtp: int) -> list[torch.Tensor]:
+def mtp_labels(labels_BS: torch.Tensor, num_mtp: int, document_ids_BS: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Targets of MTP module k (0-based): the next-token labels shifted by k + 1 more positions."""
-    return [shift_labels(labels_BS, k + 1) for k in range(num_mtp)]
+    return [shift_labels(labels_BS, k + 1, document_ids_BS) for k in range(num_mtp)]
 
 
-def count_labelled_tokens(labels_BS: torch.Tensor, num_mtp: int) -> torch.Tensor:
+def count_labelled_tokens(
+    labels_BS: torch.Tensor, num_mtp: int, document_ids_BS: torch.Tensor | None = None
+) -> torch.Tensor:
     """[1 + num_mtp] float64 counts of labelled tokens: main CE, then each MTP module's targets."""
     counts = [(labels_BS != IGNORE_INDEX).sum()]
-    counts += [(y != IGNORE_INDEX).sum() for y in mtp_labels(labels_BS, num_mtp)]
+    counts += [(y != IGNORE_INDEX).sum() for y in mtp_labels(labels_BS, num_mtp, document_ids_BS)]
     return torch.stack(counts).to(torch.float64)
 
 
@@ -173,12 +183,14 @@ def micro_batch_loss(
     balance_scale: float,
     chunk_tokens: int | None = None,
     compiled: bool = False,
+    document_ids_BS: torch.Tensor | None = None,
 ) -> StepLoss:
     """CE/N_main + mtp_loss_weight * mean_k(MTP_k/N_k) + balance_scale * out.balance_loss.
 
     `out` is the model output of `forward(..., return_hidden=True)`; `normalisers` the global labelled
     token counts from `count_labelled_tokens` summed over micro-batches and data ranks (clamped >= 1);
     `balance_scale` = 1 / (micro-batches x data ranks), so the balance term adds up to its global mean.
+    `document_ids_BS` keeps MTP targets inside their packed document (pass the same to the counts).
     """
     norms = normalisers.clamp(min=1).float()
     ce = linear_cross_entropy_sum(out.hidden, lm_head_weight, labels_BS, chunk_tokens, compiled=compiled) / norms[0]
@@ -188,7 +200,7 @@ def micro_batch_loss(
     if mtp_hidden:
         terms = [
             linear_cross_entropy_sum(h, lm_head_weight, y, chunk_tokens, compiled=compiled) / norms[k + 1]
-            for k, (h, y) in enumerate(zip(mtp_hidden, mtp_labels(labels_BS, len(mtp_hidden))))
+            for k, (h, y) in enumerate(zip(mtp_hidden, mtp_labels(labels_BS, len(mtp_hidden), document_ids_BS)))
         ]
         mtp = torch.stack(terms).mean()
         total = total + mtp_loss_weight * mtp

@@ -248,7 +248,9 @@ class Trainer:
         t = self.job_config.training
         step = self.train_state.step
         n_mtp = len(self.model.mtp_layers)
-        normalisers = sum(count_labelled_tokens(mb["labels"], n_mtp) for mb in micro_batches)
+        normalisers = sum(
+            count_labelled_tokens(mb["labels"], n_mtp, mb.get("document_ids")) for mb in micro_batches
+        )
         normalisers = _all_reduce(normalisers.to(self.device))
         balance_scale = 1.0 / (len(micro_batches) * self.dp_size)
         parts = torch.zeros(4, dtype=torch.float64, device=self.device)  # total, ce, mtp, balance
@@ -260,7 +262,7 @@ class Trainer:
             out = self.model(mb["input_ids"], mb["position_ids"], mb["document_ids"], return_hidden=True)
             loss = micro_batch_loss(
                 out, self.model.lm_head.weight, mb["labels"], normalisers, t.mtp_loss_weight, balance_scale,
-                compiled=self.compile_loss,
+                compiled=self.compile_loss, document_ids_BS=mb.get("document_ids"),
             )
             counts = [s.tokens_per_expert for s in out.router_stats]
             tokens_per_expert = counts if tokens_per_expert is None else [a + b for a, b in zip(tokens_per_expert, counts)]

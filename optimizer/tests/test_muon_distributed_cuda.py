@@ -82,9 +82,8 @@ def _worker(rank, port, expected_by_case):
                     params[k].grad = distribute_tensor(g.to(device), mesh, [Shard(0)])
                 opt.step()
             for k, p in params.items():
-                torch.testing.assert_close(
-                    p.full_tensor().cpu(), expected_by_case[case][k], rtol=0, atol=atol, msg=lambda m: f"{case} {k}: {m}"
-                )
+                torch.testing.assert_close(p.full_tensor().cpu(), expected_by_case[case][k], rtol=0, atol=atol,
+                                           msg=lambda m: f"{case} {k}: {m}")  # fmt: skip
                 buf = opt.state[p]["momentum_buffer"]
                 assert type(buf).__name__ == "DTensor" and buf.placements == p.placements, (case, k)
     finally:

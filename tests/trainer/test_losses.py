@@ -89,6 +89,19 @@ def test_shift_labels_and_mtp_targets():
     assert count_labelled_tokens(labels, 2).tolist() == [8.0, 6.0, 4.0]
 
 
+def test_mtp_targets_never_cross_packed_documents():
+    # two documents per row: [0, 0, 0 | 1, 1] and [0, 0 | 1, 1, 1]; labels written by hand
+    labels = torch.tensor([[1, 2, -100, 4, -100], [5, -100, 7, 8, -100]])
+    docs = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]])
+    # shift 1: position t takes labels[t+1] only when t+1 is in t's document
+    # row 0: t=0 -> 2 (doc 0), t=1 -> -100, t=2 -> labels[3]=4 but doc 1 != 0 -> -100, t=3 -> -100
+    # row 1: t=0 -> -100, t=1 -> labels[2]=7 but doc 1 != 0 -> -100, t=2 -> 8, t=3 -> -100
+    assert shift_labels(labels, 1, docs).tolist() == [[2, -100, -100, -100, -100], [-100, -100, 8, -100, -100]]
+    assert count_labelled_tokens(labels, 1, docs).tolist() == [6.0, 2.0]
+    # without document ids the cross-document targets would be kept
+    assert shift_labels(labels, 1).tolist()[0][2] == 4
+
+
 class _Out:
     def __init__(self, hidden, mtp_hidden, balance):
         self.hidden, self.mtp_hidden, self.balance_loss = hidden, mtp_hidden, balance
