@@ -50,7 +50,25 @@ def random_batch(batch: int, seq_len: int, vocab: int, gen: torch.Generator) -> 
     return {"input_ids": ids, "labels": labels, "position_ids": pos, "document_ids": doc}
 
 
-def run_case(flavor: str, seq_len: int, batch: int, ac: str, steps: int, warmup: int, compile_: bool, dump: str) -> dict:
+def profile_steps(trainer, batch: int, seq_len: int, vocab: int, steps: int, out_path: str) -> None:
+    """torch.profiler over `steps` more training steps: prints the top ops by self CUDA time and by self CPU
+    time (host overhead and syncs show up there) and writes both tables next to the JSON."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(1)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            trainer.train_step([random_batch(batch, seq_len, vocab, gen)])
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    tables = [events.table(sort_by="self_cuda_time_total", row_limit=30),
+              events.table(sort_by="self_cpu_time_total", row_limit=20)]
+    print("\n\n".join(tables))
+    Path(out_path).write_text("\n\n".join(tables))
+
+
+def run_case(flavor: str, seq_len: int, batch: int, ac: str, steps: int, warmup: int, compile_: bool, dump: str,
+             profile: int = 0, profile_out: str = "") -> dict:
     cfg = ConfigManager().parse_args([
         "--job.config_file", str(PACKAGE_DIR / "motif" / "train_configs" / "debug_cpu.toml"),
         f"--job.dump_folder={dump}", f"--job.run_name=bench_{flavor}_{ac}", f"--model.flavor={flavor}",
@@ -80,6 +98,8 @@ def run_case(flavor: str, seq_len: int, batch: int, ac: str, steps: int, warmup:
                 raise RuntimeError(f"{flavor}: first-step CE {rec.ce_loss:.3f} is not ~ln(V) = {math.log(args.vocab_size):.3f}")
         if i >= warmup:
             times_ms.append(start.elapsed_time(end))
+    if profile:
+        profile_steps(trainer, batch, seq_len, args.vocab_size, profile, profile_out)
     trainer.close()
     med_s = statistics.median(times_ms) / 1e3
     tokens = batch * seq_len
@@ -108,6 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_train.json"))
     p.add_argument("--dump", default="/tmp/bench_train_outputs")
+    p.add_argument("--profile", type=int, default=0, help="profile this many extra steps of each case")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_train needs a CUDA GPU", file=sys.stderr)
@@ -116,7 +137,8 @@ def main(argv=None) -> int:
     rows = []
     for flavor, seq, batch, ac in cases:
         try:
-            rows.append(run_case(flavor, seq, batch, ac, a.steps, a.warmup, a.compile, a.dump))
+            profile_out = str(Path(a.out).with_name(f"profile_{flavor}_{ac}.txt"))
+            rows.append(run_case(flavor, seq, batch, ac, a.steps, a.warmup, a.compile, a.dump, a.profile, profile_out))
         except torch.OutOfMemoryError as e:
             rows.append({"flavor": flavor, "seq_len": seq, "batch": batch, "ac": ac, "error": f"OOM: {str(e)[:200]}"})
         torch.cuda.empty_cache()
