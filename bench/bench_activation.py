@@ -27,6 +27,8 @@ import torch
 
 import activation
 
+from cuda_timing import cuda_time_ms
+
 
 @dataclass
 class Case:
@@ -102,18 +104,7 @@ def make_cases(experts: int, selected: set[str] | None, row_divisor: int = 1) ->
 
 
 def time_ms(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(cuda_time_ms(fn, warmup, iters))
 
 
 def copy_bandwidth_gbs(warmup: int, iters: int) -> float:

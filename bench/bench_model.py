@@ -18,47 +18,26 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from llm_training.layers.attention_backends import get_attention_backend
 from llm_training.motif import get_flavor, training_flops_per_token
 from llm_training.motif.model import Motif3Model
+from llm_training.trainer.losses import linear_cross_entropy_sum
+from llm_training.trainer.metrics import peak_bf16_flops
 
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}
-
-
-def peak_tflops() -> float:
-    name = torch.cuda.get_device_name()
-    for key, value in PEAK_TFLOPS.items():
-        if key in name:
-            return value
-    return 989.0
+from cuda_timing import cuda_time_ms
 
 
-def cuda_time_ms(fn, warmup: int, repeats: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+def peak_flops() -> float:
+    """Dense bf16 peak of this GPU (H100/H200 989 TFLOP/s when the name is not in the table)."""
+    return peak_bf16_flops(torch.device("cuda")) or 989e12
 
 
-def chunked_ce(hidden_NH: torch.Tensor, lm_head: torch.nn.Linear, labels_N: torch.Tensor, chunk: int = 8192):
-    """Mean CE without materialising all logits: per-chunk logits are recomputed in backward."""
-    total = hidden_NH.new_zeros((), dtype=torch.float32)
-    for i in range(0, hidden_NH.shape[0], chunk):
-        def piece(h, y):
-            return F.cross_entropy(lm_head(h).float(), y, reduction="sum")
-        total = total + torch.utils.checkpoint.checkpoint(piece, hidden_NH[i : i + chunk], labels_N[i : i + chunk],
-                                                          use_reentrant=False)
-    return total / labels_N.numel()
+def chunked_ce(hidden_BSH: torch.Tensor, weight_VH: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """Mean CE through the trainer's chunked linear cross-entropy (never the full [tokens, V] logits)."""
+    return linear_cross_entropy_sum(hidden_BSH, weight_VH, labels_BS) / labels_BS.numel()
+
+
 
 
 def bench_model(args) -> list[dict]:
@@ -84,9 +63,9 @@ def bench_model(args) -> list[dict]:
 
         def step():
             out = model(ids, return_hidden=True)
-            loss = chunked_ce(out.hidden.flatten(0, 1), model.lm_head, labels.flatten())
+            loss = chunked_ce(out.hidden, model.lm_head.weight, labels)
             for h in out.mtp_hidden:
-                loss = loss + 0.3 * chunked_ce(h.flatten(0, 1), model.lm_head, torch.roll(labels, -1, 1).flatten())
+                loss = loss + 0.3 * chunked_ce(h, model.lm_head.weight, torch.roll(labels, -1, 1))
             loss.backward()
             return loss
 
@@ -106,7 +85,7 @@ def bench_model(args) -> list[dict]:
             row.update(loss=l1, ms=ms, tokens_per_s=tok_s, peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30)
             for conv in ("megatron", "torchtitan"):
                 flops = training_flops_per_token(margs, S, convention=conv)
-                row[f"mfu_{conv}"] = tok_s * flops / (peak_tflops() * 1e12)
+                row[f"mfu_{conv}"] = tok_s * flops / (peak_flops())
         except torch.OutOfMemoryError:
             row["error"] = "OOM"
         except Exception as e:  # report and continue with the next batch size
@@ -199,7 +178,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_model.py needs a CUDA GPU", file=sys.stderr)
         return 1
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "peak_tflops": peak_tflops(),
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "peak_tflops": peak_flops() / 1e12,
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if not args.skip_attention:
         print("== GDLA attention kernel (motif3_seq head shape), fwd+bwd bf16 ==")

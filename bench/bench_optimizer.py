@@ -26,22 +26,12 @@ from llm_training.motif.model import Motif3Model
 from llm_training.trainer.optim import build_optimizers
 from optimizer import newton_schulz, triton_gram
 
+from cuda_timing import cuda_time_ms
+
 NS_STEPS = 5
 
 
-def cuda_time_ms(fn, warmup: int, repeats: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+
 
 
 def main_ns_shapes(args) -> dict[str, tuple[int, ...]]:

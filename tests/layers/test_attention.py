@@ -10,8 +10,6 @@ from llm_training.layers.attention_backends import ATTENTION_BACKENDS, chunked_m
 from llm_training.layers.rope import RotaryEmbedding, plain_inv_freq
 from llm_training.motif import get_flavor
 
-torch.set_num_threads(1)
-
 
 def _visible(i, j, window, docs_row):
     if j > i:

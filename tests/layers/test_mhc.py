@@ -9,8 +9,6 @@ from llm_training.motif import get_flavor
 from llm_training.motif.model import TransformerBlock
 from llm_training.layers.rope import build_rotary_embeddings
 
-torch.set_num_threads(1)
-
 
 def test_sinkhorn_doubly_stochastic_and_finite_grads():
     torch.manual_seed(0)

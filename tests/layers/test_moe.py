@@ -8,8 +8,6 @@ from torch import nn
 from llm_training.layers.moe import MoE, TokenChoiceRouter, update_expert_bias
 from llm_training.motif import get_flavor
 
-torch.set_num_threads(1)
-
 
 def _args(**kw):
     return get_flavor("motif3_debug").replace(**kw)

@@ -11,8 +11,6 @@ from llm_training.motif import get_flavor, param_counts
 from llm_training.motif.args import is_moe_layer, is_sliding_layer
 from llm_training.motif.model import Motif3Model
 
-torch.set_num_threads(1)
-
 
 @pytest.fixture(scope="module")
 def debug_model():

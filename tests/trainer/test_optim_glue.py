@@ -13,15 +13,6 @@ from llm_training.motif.model import Motif3Model
 from llm_training.trainer.optim import apply_qk_clip, build_optimizers
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """Tiny matrices: intra-op threads only add overhead (100x on a busy CI core), so run single-threaded."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def debug_model():
     torch.manual_seed(0)
