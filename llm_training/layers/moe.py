@@ -65,7 +65,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def grouped_mm_supported(x_NK: torch.Tensor, *weights_EOK: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm(x, w.transpose(-2, -1))` runs for these operands: present in this torch;
-    on CUDA only bf16 on SM90+; every non-unit stride a multiple of 16 bytes (the kernel's alignment rule)."""
+    on CUDA only bf16 on SM90+, on CPU fp32/bf16/fp16; every non-unit stride a multiple of 16 bytes (the
+    kernel's alignment rule)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if torch.compiler.is_compiling() and x_NK.dtype != torch.bfloat16:
@@ -73,8 +74,8 @@ def grouped_mm_supported(x_NK: torch.Tensor, *weights_EOK: torch.Tensor) -> bool
     if x_NK.is_cuda:
         if x_NK.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x_NK.device)[0] < 9:
             return False
-    elif x_NK.device.type != "cpu":
-        return False
+    elif x_NK.device.type != "cpu" or x_NK.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False  # the CPU kernel rejects float64 (float64 models take the loop)
     if any(w.dtype != x_NK.dtype for w in weights_EOK):
         return False
     for t in (x_NK, *(w.transpose(-2, -1) for w in weights_EOK)):

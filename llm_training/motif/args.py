@@ -174,8 +174,7 @@ def is_sliding_layer(layer_idx: int, args: Motif3ModelArgs) -> bool:
 
     This is the rule of the code that reproduces the reference model (§0.1). One vLLM architecture note
     states `(layer_idx + 1) % period != 0` instead; if that ever proves right, change this line only.
-    MTP blocks are always sliding (they call `is_sliding_layer` with index num_hidden_layers + k, but
-    the MTP module forces sliding explicitly, as the port does).
+    MTP blocks do not use this rule: they are always sliding (§0.1), set directly by the MTP module.
     """
     return layer_idx % args.sliding_window_period != 0
 

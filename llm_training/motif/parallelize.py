@@ -18,8 +18,8 @@ Choices (documented here and in the report):
   * Gradient reduction is a SUM over data ranks (no 1/N): the trainer's losses are already normalised by
     the global token count (see trainer/losses.py). FSDP2 is told so with `set_gradient_divide_factor(1)`
     and SUM-only collectives (gloo has no PREMUL_SUM).
-  * FSDP2 is applied when torch.distributed is initialised and either the shard group has > 1 rank or
-    the device is CUDA (a 1-rank FSDP2 gives bf16 mixed precision with fp32 master weights). On CPU,
+  * FSDP2 is applied when torch.distributed is initialised and either there is more than one data-parallel
+    rank (replicate or shard) or the device is CUDA (a 1-rank FSDP2 gives bf16 mixed precision with fp32 master weights). On CPU,
     FSDP2 runs in fp32 (gloo), verified with 2 ranks in tests/motif/test_parallelize.py.
   * The root module (embedding, final norm, lm_head) is its own FSDP2 group; FSDP2 does not reshard the
     root after forward, so the trainer's chunked loss can use `model.lm_head.weight` after the forward.
@@ -129,7 +129,11 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
         for block in blocks(model):
             block.compile()
 
-    use_fsdp = dist.is_initialized() and (parallel_dims.fsdp_enabled or device.type == "cuda")
+    # Any data parallelism needs FSDP2's gradient reduction, pure replication (dp_shard = 1) included: it
+    # then runs as HSDP over a 1-rank shard dim. Without it the ranks would never sum their gradients.
+    use_fsdp = dist.is_initialized() and (
+        parallel_dims.dp_enabled or parallel_dims.fsdp_enabled or device.type == "cuda"
+    )
     if not use_fsdp:
         if device.type == "cuda" and job_config.training.mixed_precision_param == "bfloat16":
             raise ConfigError(

@@ -185,12 +185,21 @@ class Trainer:
         self.tokenizer = build_tokenizer(c.model.tokenizer_path)
         self.dataloader = build_dataloader(c, self.tokenizer, self.dp_rank, self.dp_size)
 
-        with torch.device("meta"):
+        # CUDA: build on meta, shard, then initialise the shards in place (DTensor random ops give every shard
+        # its own part of the full tensor's random stream). CPU: DTensor random ops are not supported on a CPU
+        # mesh (every rank would draw the SAME values for its shard: rows repeated across shards), so the full
+        # model is initialised first and FSDP2 then keeps each rank's rows of it (same weights as one process).
+        init_full_first = self.device.type == "cpu"
+        with torch.device(self.device if init_full_first else "meta"):
             self.model = Motif3Model(self.model_args, attention_backend=c.model.attention_backend)
+        if init_full_first:
+            torch.manual_seed(t.seed)
+            self.model.init_weights(buffer_device=self.device)
         self.parallel = parallelize_motif(self.model, parallel_dims, c, self.device)
-        self.model.to_empty(device=self.device)
-        torch.manual_seed(t.seed)
-        self.model.init_weights(buffer_device=self.device)
+        if not init_full_first:
+            self.model.to_empty(device=self.device)
+            torch.manual_seed(t.seed)
+            self.model.init_weights(buffer_device=self.device)
         self.model.train()
 
         self.optimizers = build_optimizers(self.model, c)  # Muon + AdamW container with .lr_scheduler
@@ -247,6 +256,10 @@ class Trainer:
     def train_step(self, micro_batches: list[dict]) -> StepRecord:
         t = self.job_config.training
         step = self.train_state.step
+        if hasattr(self.model, "set_mhc_progress"):
+            # Progress = optimizer steps taken so far / total (0 on the first step), from the LR scheduler's
+            # step count: it is checkpointed, so a resumed run sees the same schedule as an uninterrupted one.
+            self.model.set_mhc_progress(self.lr_scheduler.last_step / max(t.steps, 1))
         n_mtp = len(self.model.mtp_layers)
         normalisers = sum(
             count_labelled_tokens(mb["labels"], n_mtp, mb.get("document_ids")) for mb in micro_batches
@@ -304,8 +317,6 @@ class Trainer:
                 group = dist.group.WORLD if dist.is_initialized() else None
                 update_expert_bias(self.model, tokens_per_expert, self.model_args.load_balance_coeff, process_group=group)
             self.lr_scheduler.step()
-            if hasattr(self.model, "set_mhc_progress"):
-                self.model.set_mhc_progress(step / max(t.steps, 1))
             self.optimizers.zero_grad()
         global_tpe = None
         if tokens_per_expert:

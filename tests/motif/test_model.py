@@ -240,3 +240,66 @@ def test_blocks_work_under_activation_checkpointing(debug_model):
         results.append([x.grad.clone()] + [p.grad.clone() for p in debug_model.layers.parameters()])
     for g0, g1 in zip(*results):
         torch.testing.assert_close(g0, g1, atol=1e-6, rtol=1e-5)
+
+
+def test_forward_equals_spec_composition_by_hand():
+    """Stream copy, mHC around each sub-layer (flattened-n*H RMSNorm eps 1e-6, projections, +-10 clamp, Sinkhorn
+    with +-20 exp clamp and 1e-8 floors, rows then columns, X'[i] = sum_j H_res[i, j] X[j] + h_post[i] y,
+    collapse then the block's own RMSNorm eps 1e-5), stream mean, final norm, head, and the MTP wiring
+    input_proj([norm(main hidden) ; embed_norm(embed(t_{i+1}))]) -> attn -> MLP -> final_layernorm -> head,
+    written out here (float64); attention and MLP / MoE modules are used as black boxes."""
+    a = get_flavor("motif3_debug").replace(num_hidden_layers=3)  # 0: full dense, 1: sliding dense, 2: sliding MoE
+    torch.manual_seed(3)
+    model = Motif3Model(a, attention_backend="reference")
+    model.init_weights()
+    model = model.double().eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            for mhc in (layer.mhc_attn, layer.mhc_ffn):
+                for alpha in (mhc.alpha_pre, mhc.alpha_post, mhc.alpha_res):
+                    alpha.normal_(0.0, 1.0)  # coefficients clearly input-dependent
+                mhc.bias_res.normal_(0.0, 1.0)
+                mhc.norm.weight.uniform_(0.5, 1.5)
+    B, S, H, n = 2, 12, a.hidden_size, a.mhc_expansion_rate
+    ids = torch.randint(0, a.vocab_size, (B, S), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(S).expand(B, S)
+
+    def rms(t, w, eps):
+        return t / torch.sqrt((t * t).mean(-1, keepdim=True) + eps) * w
+
+    def coefficients(mhc, X):
+        flat = rms(X.reshape(B, S, n * H), mhc.norm.weight, 1e-6)
+        p, q = flat @ mhc.proj_pre.weight.T, flat @ mhc.proj_post.weight.T
+        r = (flat @ mhc.proj_res.weight.T).view(B, S, n, n)
+        h_pre = torch.sigmoid((mhc.alpha_pre * p + mhc.bias_pre).clamp(-10, 10))
+        h_post = 1.0 * torch.sigmoid((mhc.alpha_post * q + mhc.bias_post).clamp(-10, 10))  # c_post = 1
+        m = torch.exp((mhc.alpha_res * r + mhc.bias_res).clamp(-20, 20))
+        for _ in range(a.mhc_sinkhorn_iters):
+            m = m / m.sum(-1, keepdim=True).clamp_min(1e-8)  # rows
+            m = m / m.sum(-2, keepdim=True).clamp_min(1e-8)  # columns
+        return h_pre, h_post, m
+
+    def sublayer(mhc, norm, fn, X):
+        h_pre, h_post, h_res = coefficients(mhc, X)
+        u = sum(h_pre[..., i, None] * X[:, :, i] for i in range(n))
+        y = fn(rms(u, norm.weight, 1e-5))
+        return torch.stack([sum(h_res[..., i, j, None] * X[:, :, j] for j in range(n)) + h_post[..., i, None] * y
+                            for i in range(n)], dim=2)
+
+    with torch.no_grad():
+        X = model.embed_tokens.weight[ids][:, :, None].expand(B, S, n, H)
+        for layer in model.layers:
+            X = sublayer(layer.mhc_attn, layer.input_layernorm, lambda h: layer.self_attn(h, pos), X)
+            ffn = layer.mlp if layer.moe is None else (lambda h: layer.moe(h)[0])
+            X = sublayer(layer.mhc_ffn, layer.post_attention_layernorm, ffn, X)
+        hidden = rms(X.mean(dim=2), model.norm.weight, 1e-5)
+        mtp = model.mtp_layers[0]
+        e = model.embed_tokens.weight[ids[:, 1:]]  # t_{i+1} for i < S - 1
+        z = torch.cat([hidden[:, : S - 1], rms(e, mtp.embed_norm.weight, 1e-5)], -1) @ mtp.input_proj.weight.T
+        z = z + mtp.self_attn(rms(z, mtp.input_layernorm.weight, 1e-5), pos[:, : S - 1])
+        z = z + mtp.mlp(rms(z, mtp.post_attention_layernorm.weight, 1e-5))
+        mtp_logits = rms(z, mtp.final_layernorm.weight, 1e-5) @ model.lm_head.weight.T
+        out = model(ids)
+    assert mtp.self_attn.window == a.sliding_window and mtp.self_attn.softmax_scale == a.head_dim ** -0.5
+    torch.testing.assert_close(out.logits, hidden @ model.lm_head.weight.T, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.mtp_logits[0][:, : S - 1], mtp_logits, atol=1e-5, rtol=1e-4)

@@ -51,20 +51,21 @@ def _loss_and_grads(model, ids, labels, normalisers, balance_scale):
     return loss.total.detach()
 
 
-def _worker(rank, world, port, path):
+def _worker(rank, world, port, path, dp_replicate=1):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.tensor import DTensor
 
-        dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=world)
+        dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=-1, cp=1, ep=1, world_size=world)
         with torch.device("meta"):
             model = Motif3Model(ARGS)
         parallel = parallelize_motif(model, dims, _config(), torch.device("cpu"))
         model.to_empty(device="cpu")
         model.init_weights(buffer_device=torch.device("cpu"))
         set_model_state_dict(model, _reference_model().state_dict(), options=StateDictOptions(full_state_dict=True))
+        # pure replication (dp_shard = 1) still needs FSDP2's gradient reduction (HSDP over a 1-rank shard dim)
         assert parallel.fsdp and isinstance(model.layers[0].self_attn.wq_b.weight, DTensor)
         assert not isinstance(model.layers[2].moe.router.gate.weight, DTensor)  # fp32, replicated
         ids, labels = _batch()
@@ -87,9 +88,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_fsdp2_two_gloo_ranks_match_single_process(tmp_path):
+@pytest.mark.parametrize("dp_replicate", [1, 2], ids=["shard2", "replicate2"])
+def test_fsdp2_two_gloo_ranks_match_single_process(tmp_path, dp_replicate):
     path = tmp_path / "rank0.pt"
-    mp.spawn(_worker, args=(2, _free_port(), str(path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, _free_port(), str(path), dp_replicate), nprocs=2, join=True)
     got = torch.load(path)
     ref_model = _reference_model()
     ids, labels = _batch()

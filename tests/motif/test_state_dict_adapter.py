@@ -182,3 +182,49 @@ def test_bad_config_json_file_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json"):
         load_hf_checkpoint(_model(1), tmp_path)
+
+
+def test_hf_half_split_rope_on_exported_rows_equals_our_interleaved_rope():
+    """HF rotates rope pairs (j, j + d/2) of its rows (NeoX `rotate_half`, written out here); we rotate
+    (2j, 2j + 1) of ours. On the exported wq_b / wkv_a rows the HF rotation must give our rotated vectors
+    permuted the same way (so every q_pe . k_pe logit is unchanged), and the nope rows must not move."""
+    from llm_training.layers.rope import apply_rope_interleaved, plain_inv_freq
+    from llm_training.motif.state_dict_adapter import to_hf_tensor
+
+    a = ARGS
+    m = _model(0)
+    pre = "layers.1.self_attn."
+    wq_b, wkv_a = m.state_dict()[pre + "wq_b.weight"].double(), m.state_dict()[pre + "wkv_a.weight"].double()
+    wq_b_hf, wkv_a_hf = to_hf_tensor(pre + "wq_b.weight", wq_b, a), to_hf_tensor(pre + "wkv_a.weight", wkv_a, a)
+    g = torch.Generator().manual_seed(5)
+    S, d, nope = 7, a.qk_rope_head_dim, a.head_dim - a.qk_rope_head_dim
+    c_q = torch.randn(S, a.q_lora_rank, dtype=torch.float64, generator=g)
+    x = torch.randn(S, a.hidden_size, dtype=torch.float64, generator=g)
+    pos = torch.arange(S) * 13
+    inv = torch.tensor([a.swa_rope_theta ** (-2.0 * j / d) for j in range(d // 2)], dtype=torch.float64)
+    ang = pos[:, None].double() * inv  # [S, d/2]
+
+    def hf_rotate(t):  # t [S, heads, d], HF/NeoX convention: cos/sin tables repeated twice, rotate_half
+        cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None]
+        sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+        rotated_half = torch.cat([-t[..., d // 2:], t[..., : d // 2]], -1)
+        return t * cos + rotated_half * sin
+
+    q = (c_q @ wq_b.T).view(S, a.num_attention_heads, a.head_dim)
+    q_hf = (c_q @ wq_b_hf.T).view(S, a.num_attention_heads, a.head_dim)
+    torch.testing.assert_close(q_hf[..., :nope], q[..., :nope], rtol=0, atol=0)
+    k_pe = (x @ wkv_a.T)[:, None, a.kv_lora_rank:]  # [S, 1, d]
+    k_pe_hf = (x @ wkv_a_hf.T)[:, None, a.kv_lora_rank:]
+    torch.testing.assert_close((x @ wkv_a_hf.T)[:, : a.kv_lora_rank], (x @ wkv_a.T)[:, : a.kv_lora_rank],
+                               rtol=0, atol=0)
+
+    cos, sin = ang.cos()[None].float(), ang.sin()[None].float()
+    ours_q = apply_rope_interleaved(q[None, ..., nope:].float(), cos, sin)[0].double()
+    ours_k = apply_rope_interleaved(k_pe[None].float(), cos, sin)[0].double()
+    hf_q, hf_k = hf_rotate(q_hf[..., nope:]), hf_rotate(k_pe_hf)
+    perm = [2 * j for j in range(d // 2)] + [2 * j + 1 for j in range(d // 2)]  # HF row r <- our row perm[r]
+    torch.testing.assert_close(hf_q, ours_q[..., perm], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(hf_k, ours_k[..., perm], atol=1e-4, rtol=1e-5)
+    logits_hf = torch.einsum("ihd,jd->hij", hf_q, hf_k[:, 0])
+    logits_ours = torch.einsum("ihd,jd->hij", ours_q, ours_k[:, 0])
+    torch.testing.assert_close(logits_hf, logits_ours, atol=1e-3, rtol=1e-4)
