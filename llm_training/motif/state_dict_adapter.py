@@ -310,6 +310,10 @@ def export_hf_state_dict(
     for key, w in state.items():
         w = w.detach().cpu()
         w = w.float() if is_fp32_key(key) else w.to(dtype)
+        if key.endswith("moe.experts.act_fn.bias"):
+            # Training clamps the routed-expert PolyNorm bias in the forward only (model-spec §1.1), so the
+            # stored value can drift past the bound; export what the forward uses, for servers that don't clamp.
+            w = w.clamp(-args.polynorm_bias_clamp, args.polynorm_bias_clamp)
         hf[to_hf_key(key)] = to_hf_tensor(key, w, args).contiguous()
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

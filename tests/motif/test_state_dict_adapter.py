@@ -91,6 +91,26 @@ def test_export_then_import_reproduces_logits_exactly(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_export_clamps_drifted_routed_expert_polynorm_bias(tmp_path):
+    """A routed-expert PolyNorm bias stored beyond +-polynorm_bias_clamp is exported as the forward uses it
+    (clamped), so the logits after import are unchanged; the dense-MLP bias (never clamped) is kept as is."""
+    from safetensors import safe_open
+
+    src, dst, ids = _model(0), _model(1), _ids()
+    bound = ARGS.polynorm_bias_clamp
+    with torch.no_grad():
+        src.layers[2].moe.experts.act_fn.bias.fill_(3 * bound)
+        src.layers[0].mlp.act_fn.bias.fill_(3 * bound)
+    export_hf_checkpoint(src, tmp_path, dtype=torch.float32)
+    (shard,) = sorted(tmp_path.glob("*.safetensors"))
+    with safe_open(str(shard), framework="pt") as f:
+        assert torch.all(f.get_tensor("model.layers.2.moe.experts.act_fn.bias") == bound)
+        assert torch.all(f.get_tensor("model.layers.0.mlp.act_fn.bias") == 3 * bound)
+    load_hf_checkpoint(dst, tmp_path)
+    for a, b in zip(_logits(src, ids), _logits(dst, ids)):
+        assert torch.equal(a, b)
+
+
 def test_bf16_export_keeps_fp32_tensors(tmp_path):
     from safetensors import safe_open
 
