@@ -59,7 +59,7 @@ class Training:
     seq_len: int = option(256, "tokens per sequence (packed); at most the flavor's max_seq_len")
     steps: int = option(300, "number of optimizer steps")
     max_norm: float = option(1.0, "gradient clipping max global L2 norm (0 disables clipping)")
-    seed: int = option(42, "random seed for model init and data order")
+    seed: int = option(42, "seed of model init and of the torch/python/numpy RNGs (the data order uses [huggingface_dataset] shuffle_seed)")
     deterministic: bool = option(False, "use deterministic algorithms (slower; bitwise-reproducible where feasible)")
     mtp_loss_weight: float = option(0.3, "weight of the multi-token-prediction loss added to the main loss")
     mixed_precision_param: str = option(

@@ -142,7 +142,7 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
             )
         return ParallelizedModel(model, fsdp=False)
 
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = parallel_dims.world_mesh
     if mesh is None:
@@ -160,8 +160,16 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
     for block in blocks(model):
         fully_shard(block, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored & set(block.parameters()))
     fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored)
+    # The loss is already normalised by the global labelled-token count, so gradients must be SUMMED over
+    # data ranks (as sync_replicated_grads does for the fp32 params kept outside FSDP); FSDP2's default
+    # averaging would scale the sharded gradients by 1/dp against the replicated ones.
     for module in model.modules():
-        if hasattr(module, "set_gradient_divide_factor") and hasattr(module, "set_force_sum_reduction_for_comms"):
+        if isinstance(module, FSDPModule):
+            if not (hasattr(module, "set_gradient_divide_factor") and hasattr(module, "set_force_sum_reduction_for_comms")):
+                raise RuntimeError(
+                    f"torch {torch.__version__}: FSDP2 lacks set_gradient_divide_factor / "
+                    "set_force_sum_reduction_for_comms, which llm_training needs for summed gradients (torch >= 2.11)"
+                )
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return ParallelizedModel(model, fsdp=True, replicated_param_names=replicated, grad_group=dist.group.WORLD)
