@@ -25,6 +25,7 @@ import random
 import re
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+# A single-process run saves and loads with no_dist=True on purpose; DCP still warns about it on every call.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 logger = logging.getLogger(__name__)
 
