@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The demo: sets up .venv (scripts/bootstrap.sh) and runs the main job on the CPU demo config
-# (motif3_debug on the bundled chat data). Extra arguments are config overrides, e.g.
-#   bash scripts/demo.sh --training.steps=50
+# The demo: sets up .venv (scripts/bootstrap.sh), trains motif3_debug on the bundled chat data for 200 steps
+# on the CPU (debug_cpu.toml; checkpoints at steps 100 and 200), then starts the same run again with 20 more
+# steps, which reloads the step-200 checkpoint and continues from it. Each demo is a new run folder under
+# outputs/ (demo-<time>). Extra arguments are config overrides for both runs, e.g.
+#   bash scripts/demo.sh --training.local_batch_size=4
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/bootstrap.sh"
 cd "$ROOT"
-exec python -m llm_training.train --job.config_file llm_training/motif/train_configs/debug_cpu.toml "$@"
+CONFIG=llm_training/motif/train_configs/debug_cpu.toml
+RUN="demo-$(date +%Y%m%d-%H%M%S)"
+python -m llm_training.train --job.config_file "$CONFIG" --job.run_name="$RUN" "$@"
+echo "[demo] resuming $RUN from its last checkpoint for 20 more steps"
+python -m llm_training.train --job.config_file "$CONFIG" --job.run_name="$RUN" --training.steps=220 "$@"
