@@ -236,6 +236,7 @@ class Trainer:
         if latest is not None:
             self.checkpointer.load(latest, self.checkpoint_state())
             logger.info("resumed from %s (step %d)", self.checkpointer.step_dir(latest), self.train_state.step)
+            self._warn_if_lr_differs_from_checkpoint()
         elif ck.initial_load_path:
             if ck.initial_load_format == "hf":
                 from llm_training.motif.state_dict_adapter import load_hf_checkpoint
@@ -244,6 +245,18 @@ class Trainer:
             else:
                 load_model_weights_dcp(self.model, ck.initial_load_path)
             logger.info("initial weights loaded from %s (%s)", ck.initial_load_path, ck.initial_load_format)
+
+    def _warn_if_lr_differs_from_checkpoint(self) -> None:
+        """Resuming restores the optimizer's param groups, so a changed `[optimizer] lr` has no effect: say so."""
+        configured = self.job_config.optimizer.lr
+        restored = {g.get("initial_lr", g["lr"]) for opt in self.optimizers.optimizers for g in opt.param_groups}
+        if any(abs(lr - configured) > 1e-12 * max(abs(configured), 1.0) for lr in restored):
+            logger.warning(
+                "[optimizer] lr = %g differs from the resumed checkpoint's %s; the checkpoint's value is used "
+                "(the optimizer state is restored on resume). Start a new run, or load the weights with "
+                "[checkpoint] initial_load_path, to train with another lr.",
+                configured, ", ".join(f"{lr:g}" for lr in sorted(restored)),
+            )
 
     def _save(self, blocking: bool = False) -> None:
         if self.checkpointer is not None:

@@ -48,6 +48,17 @@ def test_stop_and_resume_reproduces_uninterrupted_losses(make_config):
     assert complete_steps(resumed.checkpoint_folder) == [2, 4]
 
 
+def test_resume_with_another_lr_warns_and_keeps_the_checkpoint_lr(make_config, caplog):
+    steps = ("--training.steps=2", "--checkpoint.interval=2", "--optimizer.lr=1e-3")
+    train(make_config("--job.run_name=lr", *steps), DIMS)
+    resumed = Trainer(make_config("--job.run_name=lr", "--training.steps=3", "--optimizer.lr=5e-3"), DIMS)
+    with caplog.at_level("WARNING"):
+        resumed.fit()
+    assert "lr = 0.005 differs from the resumed checkpoint's 0.001" in caplog.text
+    initial = {g["initial_lr"] for opt in resumed.optimizers.optimizers for g in opt.param_groups}
+    assert initial == {1e-3}
+
+
 def test_gradient_accumulation_matches_one_big_micro_batch(make_config):
     one = train(make_config("--job.run_name=a", "--training.local_batch_size=4", "--training.steps=2",
                             "--checkpoint.enable=false", "--optimizer.name=adamw"), DIMS)
