@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -87,10 +86,8 @@ def test_python_dash_m_on_the_demo_config(tmp_path):
     assert (tmp_path / "debug_cpu" / "config.toml").is_file()
 
 
-def test_torchrun_two_cpu_ranks(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_torchrun_two_cpu_ranks(tmp_path, free_port):
+    port = free_port
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
         "--master_port", str(port), "-m", "llm_training.train", "--job.config_file", DEBUG_TOML,

@@ -8,7 +8,6 @@ single process sees: the results agree to fp32 rounding (atol 1e-6 after 3 steps
 """
 
 import os
-import socket
 
 import pytest
 import torch
@@ -95,17 +94,11 @@ def _single_process_result() -> dict[str, torch.Tensor]:
     return {k: p.detach() for k, p in params.items()}
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2, 4])
-def test_fsdp2_muon_matches_single_process(world):
+def test_fsdp2_muon_matches_single_process(world, free_port):
     expected = _single_process_result()
     # fork (CPU only, no CUDA touched): ranks inherit the imported modules, so the test takes seconds
-    mp.start_processes(_worker, args=(world, _free_port(), expected), nprocs=world, join=True, start_method="fork")
+    mp.start_processes(_worker, args=(world, free_port, expected), nprocs=world, join=True, start_method="fork")
 
 
 def _state_dict_worker(rank, world, port):
@@ -169,8 +162,8 @@ def _state_dict_worker(rank, world, port):
         dist.destroy_process_group()
 
 
-def test_fsdp2_optimizer_state_dict_round_trip():
-    mp.start_processes(_state_dict_worker, args=(2, _free_port()), nprocs=2, join=True, start_method="fork")
+def test_fsdp2_optimizer_state_dict_round_trip(free_port):
+    mp.start_processes(_state_dict_worker, args=(2, free_port), nprocs=2, join=True, start_method="fork")
 
 
 def _hsdp_worker(rank, world, port, expected):
@@ -196,6 +189,6 @@ def _hsdp_worker(rank, world, port, expected):
         dist.destroy_process_group()
 
 
-def test_hsdp_muon_matches_single_process():
+def test_hsdp_muon_matches_single_process(free_port):
     expected = _single_process_result()
-    mp.start_processes(_hsdp_worker, args=(4, _free_port(), expected), nprocs=4, join=True, start_method="fork")
+    mp.start_processes(_hsdp_worker, args=(4, free_port, expected), nprocs=4, join=True, start_method="fork")

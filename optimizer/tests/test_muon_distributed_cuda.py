@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_muon_distributed import ROW_SPLIT, STEPS, _free_port, _grads, _Holder, _init_params
+from test_muon_distributed import ROW_SPLIT, STEPS, _grads, _Holder, _init_params
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -90,11 +90,11 @@ def _worker(rank, port, expected_by_case):
         dist.destroy_process_group()
 
 
-def test_fsdp2_nccl_muon_matches_single_gpu():
+def test_fsdp2_nccl_muon_matches_single_gpu(free_port):
     torch.set_float32_matmul_precision("highest")
     expected_by_case = {case: _single_gpu_result(ns, comm) for case, (ns, comm, _) in CASES.items()}
     # the two precisions must really differ, or the bf16 case would not test the CUDA default path
     assert max((expected_by_case["fp32"][k] - expected_by_case["cuda_default_bf16"][k]).abs().max() for k in
                expected_by_case["fp32"]) > 0  # fmt: skip
     # spawn, not fork: CUDA is initialised in this process
-    mp.start_processes(_worker, args=(_free_port(), expected_by_case), nprocs=WORLD, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port, expected_by_case), nprocs=WORLD, join=True, start_method="spawn")

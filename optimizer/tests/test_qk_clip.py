@@ -1,7 +1,6 @@
 """QK-clip: recompute the logits with an explicit q.k and check the clip rule of optimizer.qk_clip."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -118,15 +117,13 @@ def _dtensor_worker(rank, world, port, max_logits, tau, expected_q, expected_kv)
         dist.destroy_process_group()
 
 
-def test_row_sharded_dtensor_weights_match_plain():
+def test_row_sharded_dtensor_weights_match_plain(free_port):
     """wq_b (60 rows) and wkv_b (14 rows) sharded unevenly over 4 gloo ranks (forked, CPU only)."""
     wq_b, wkv_b = _boosted([(3, 40.0)])
     max_logits = _logits(wq_b, wkv_b, *_inputs()).amax(dim=(1, 2))
     tau = float(max_logits.sort().values[-2]) * 1.01
     qk_clip_(wq_b, wkv_b, max_logits, L, tau)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port
     mp.start_processes(
         _dtensor_worker, args=(4, port, max_logits, tau, wq_b, wkv_b), nprocs=4, join=True, start_method="fork"
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 
 import pytest
 import torch
@@ -68,12 +67,6 @@ LAYOUTS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world_size: int, port: int, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -95,11 +88,11 @@ def _worker(rank: int, world_size: int, port: int, results):
         dist.destroy_process_group()
 
 
-def test_meshes_on_two_gloo_ranks():
+def test_meshes_on_two_gloo_ranks(free_port):
     world_size = 2
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_worker, args=(world_size, _free_port(), results), nprocs=world_size, join=True)
+    mp.spawn(_worker, args=(world_size, free_port, results), nprocs=world_size, join=True)
     for rank in range(world_size):
         for layout, (sizes, local, dp_sum, ep_local, ep_size, hsdp_shape) in zip(LAYOUTS, results[rank]):
             d = ParallelDims(world_size=world_size, **layout)

@@ -3,7 +3,6 @@ full batch (SUM gradient reduction + replicated fp32 params + the chunked loss o
 activation checkpointing (full / selective) keeps values and gradients and the parameter names."""
 
 import os
-import socket
 import types
 
 import pytest
@@ -82,16 +81,10 @@ def _worker(rank, world, port, path, dp_replicate=1):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("dp_replicate", [1, 2], ids=["shard2", "replicate2"])
-def test_fsdp2_two_gloo_ranks_match_single_process(tmp_path, dp_replicate):
+def test_fsdp2_two_gloo_ranks_match_single_process(tmp_path, dp_replicate, free_port):
     path = tmp_path / "rank0.pt"
-    mp.spawn(_worker, args=(2, _free_port(), str(path), dp_replicate), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port, str(path), dp_replicate), nprocs=2, join=True)
     got = torch.load(path)
     ref_model = _reference_model()
     ids, labels = _batch()

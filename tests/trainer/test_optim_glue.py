@@ -179,9 +179,7 @@ def _qk_worker(rank, world, port, expected_q, expected_kv):
         dist.destroy_process_group()
 
 
-def test_qk_clip_reduces_max_logits_over_data_ranks():
-    import socket
-
+def test_qk_clip_reduces_max_logits_over_data_ranks(free_port):
     import torch.multiprocessing as mp
 
     from optimizer import QKLayout, qk_clip_
@@ -189,8 +187,6 @@ def test_qk_clip_reduces_max_logits_over_data_ranks():
     ref = _TinyAttention()
     qk_clip_(ref.wq_b.weight.data, ref.wkv_b.weight.data, torch.tensor([400.0, 500.0, 10.0, 10.0]),
              QKLayout(4, 2, 3, 2, 2), 100.0)  # fmt: skip
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port
     args = (2, port, ref.wq_b.weight.detach(), ref.wkv_b.weight.detach())
     mp.start_processes(_qk_worker, args=args, nprocs=2, join=True, start_method="fork")

@@ -7,7 +7,6 @@ on the ranks."""
 import datetime
 import os
 import signal
-import socket
 
 import torch
 import torch.distributed as dist
@@ -62,12 +61,6 @@ def _worker(rank, world, port, dump_folder, out_folder):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _single_process_init(seed):
     from llm_training.motif import get_flavor
     from llm_training.motif.model import Motif3Model
@@ -78,14 +71,14 @@ def _single_process_init(seed):
     return dict(model.named_parameters())
 
 
-def test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
+def test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path, free_port):
     from torch.distributed.checkpoint import FileSystemReader
 
     from llm_training.trainer.checkpoint import complete_steps
 
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path / "runs"), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port, str(tmp_path / "runs"), str(out)), nprocs=2, join=True)
     r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     # the sharded initial weights are the single-process ones (not the same random rows on every shard)
     reference = _single_process_init(_config(tmp_path).training.seed)
