@@ -43,6 +43,12 @@ def _logits(m, ids):
     return out.logits, out.mtp_logits[0]
 
 
+def _assert_same_logits(src, dst, ids):
+    """Main and MTP logits of the two models are bitwise equal."""
+    for a, b in zip(_logits(src, ids), _logits(dst, ids)):
+        assert torch.equal(a, b)
+
+
 def test_permutation_is_half_split_and_invertible():
     p = interleaved_to_half_split(8)
     assert p.tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
@@ -87,8 +93,7 @@ def test_export_then_import_reproduces_logits_exactly(tmp_path):
     assert "lm_head.weight" in index["weight_map"] and "model.embed_tokens.weight" in index["weight_map"]
     assert "model.mtp_layers.0.self_attn.wq_b.weight" in index["weight_map"]
     load_hf_checkpoint(dst, tmp_path)
-    for a, b in zip(_logits(src, ids), _logits(dst, ids)):
-        assert torch.equal(a, b)
+    _assert_same_logits(src, dst, ids)
 
 
 def test_export_clamps_drifted_routed_expert_polynorm_bias(tmp_path):
@@ -107,8 +112,7 @@ def test_export_clamps_drifted_routed_expert_polynorm_bias(tmp_path):
         assert torch.all(f.get_tensor("model.layers.2.moe.experts.act_fn.bias") == bound)
         assert torch.all(f.get_tensor("model.layers.0.mlp.act_fn.bias") == 3 * bound)
     load_hf_checkpoint(dst, tmp_path)
-    for a, b in zip(_logits(src, ids), _logits(dst, ids)):
-        assert torch.equal(a, b)
+    _assert_same_logits(src, dst, ids)
 
 
 def test_bf16_export_keeps_fp32_tensors(tmp_path):
@@ -168,8 +172,7 @@ def test_independently_written_hf_dir_loads_with_same_logits(tmp_path):
     src, dst, ids = _model(0), _model(1), _ids()
     _write_independent_hf_dir(tmp_path, src)
     load_hf_checkpoint(dst, tmp_path)
-    for a, b in zip(_logits(src, ids), _logits(dst, ids)):
-        assert torch.equal(a, b)
+    _assert_same_logits(src, dst, ids)
 
 
 def test_missing_unexpected_and_misshaped_tensors_are_named(tmp_path):
