@@ -71,35 +71,77 @@ def make_cases(experts: int, selected: set[str] | None, row_divisor: int = 1) ->
             cases.append(Case(name, *args))
 
     t, d = rows(131072), 1280
-    add("poly_norm", f"[{t}, {d}] bf16", lambda x, w, b: activation.poly_norm(x, w, b),
-        [_randn((t, d)), _randn((3,), torch.float32, seed=1), _randn((1,), torch.float32, seed=2)], (0, 1, 2),
-        2 * t * d * bf16, 3 * t * d * bf16)
+    add(
+        "poly_norm",
+        f"[{t}, {d}] bf16",
+        lambda x, w, b: activation.poly_norm(x, w, b),
+        [_randn((t, d)), _randn((3,), torch.float32, seed=1), _randn((1,), torch.float32, seed=2)],
+        (0, 1, 2),
+        2 * t * d * bf16,
+        3 * t * d * bf16,
+    )
     for label, (t, d) in (("dense", (rows(8 * 4096), 12288)), ("expert", (rows(8 * 4096 * 8), 1280))):
-        add(f"fused_mul_poly_norm_{label}", f"[{t}, {d}] bf16",
+        add(
+            f"fused_mul_poly_norm_{label}",
+            f"[{t}, {d}] bf16",
             lambda g, u, w, b: activation.fused_mul_poly_norm(g, u, w, b, output_scale=0.5),
-            [_randn((t, d)), _randn((t, d), seed=3), _randn((3,), torch.float32, seed=1),
-             _randn((1,), torch.float32, seed=2)], (0, 1, 2, 3),
-            3 * t * d * bf16, 5 * t * d * bf16)
+            [
+                _randn((t, d)),
+                _randn((t, d), seed=3),
+                _randn((3,), torch.float32, seed=1),
+                _randn((1,), torch.float32, seed=2),
+            ],
+            (0, 1, 2, 3),
+            3 * t * d * bf16,
+            5 * t * d * bf16,
+        )
     t, d = rows(8 * 4096 * 8), 1280
     sizes = torch.distributions.Dirichlet(torch.ones(experts)).sample((1,))[0]
     counts = (sizes * (t - t // 512)).long()  # ~t/512 padding rows at the end, as after a padded dispatch
     offs = counts.cumsum(0).to(torch.int32).cuda()
-    add("grouped_poly_norm_fused", f"[{t}, {d}] bf16, {experts} experts",
+    add(
+        "grouped_poly_norm_fused",
+        f"[{t}, {d}] bf16, {experts} experts",
         lambda x, u, w, b: activation.grouped_poly_norm(x, w, b, offs, bias_clamp=0.5, up=u, output_scale=0.5),
-        [_randn((t, d)), _randn((t, d), seed=3), _randn((experts, 3), torch.float32, seed=1),
-         _randn((experts, 1), torch.float32, scale=0.3, seed=2)], (0, 1, 2, 3),
-        3 * t * d * bf16, 5 * t * d * bf16)
+        [
+            _randn((t, d)),
+            _randn((t, d), seed=3),
+            _randn((experts, 3), torch.float32, seed=1),
+            _randn((experts, 1), torch.float32, scale=0.3, seed=2),
+        ],
+        (0, 1, 2, 3),
+        3 * t * d * bf16,
+        5 * t * d * bf16,
+    )
     t, d = rows(32768), 4096
-    add("rms_norm", f"[{t}, {d}] bf16", lambda x, w: activation.rms_norm(x, w, 1e-5),
-        [_randn((t, d)), _randn((d,), torch.float32, seed=1) + 1], (0, 1),
-        2 * t * d * bf16, 3 * t * d * bf16)
-    add("fused_add_rms_norm", f"[{t}, {d}] bf16", lambda x, r, w: activation.fused_add_rms_norm(x, r, w, 1e-5),
-        [_randn((t, d)), _randn((t, d), seed=3), _randn((d,), torch.float32, seed=1) + 1], (0, 1, 2),
-        4 * t * d * bf16, 4 * t * d * bf16)
+    add(
+        "rms_norm",
+        f"[{t}, {d}] bf16",
+        lambda x, w: activation.rms_norm(x, w, 1e-5),
+        [_randn((t, d)), _randn((d,), torch.float32, seed=1) + 1],
+        (0, 1),
+        2 * t * d * bf16,
+        3 * t * d * bf16,
+    )
+    add(
+        "fused_add_rms_norm",
+        f"[{t}, {d}] bf16",
+        lambda x, r, w: activation.fused_add_rms_norm(x, r, w, 1e-5),
+        [_randn((t, d)), _randn((t, d), seed=3), _randn((d,), torch.float32, seed=1) + 1],
+        (0, 1, 2),
+        4 * t * d * bf16,
+        4 * t * d * bf16,
+    )
     t, d = rows(8192), 4 * 4096  # mHC: RMSNorm over the n*H flattened fp32 streams
-    add("rms_norm_mhc", f"[{t}, {d}] fp32", lambda x, w: activation.rms_norm(x, w, 1e-6),
-        [_randn((t, d), torch.float32), _randn((d,), torch.float32, seed=1) + 1], (0, 1),
-        2 * t * d * 4, 3 * t * d * 4)
+    add(
+        "rms_norm_mhc",
+        f"[{t}, {d}] fp32",
+        lambda x, w: activation.rms_norm(x, w, 1e-6),
+        [_randn((t, d), torch.float32), _randn((d,), torch.float32, seed=1) + 1],
+        (0, 1),
+        2 * t * d * 4,
+        3 * t * d * 4,
+    )
     return cases
 
 
@@ -165,8 +207,10 @@ def time_column(case: Case, column: str, warmup: int, iters: int, copy_gbs: floa
         return {"error": f"{type(error).__name__}: {error}"[:500], "traceback": traceback.format_exc()[-4000:]}
     total_bytes = case.bytes_fwd + case.bytes_bwd
     return {
-        "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
-        "fwd_GBs": case.bytes_fwd / fwd_ms / 1e6, "fwd_bwd_GBs": total_bytes / fwd_bwd_ms / 1e6,
+        "fwd_ms": fwd_ms,
+        "fwd_bwd_ms": fwd_bwd_ms,
+        "fwd_GBs": case.bytes_fwd / fwd_ms / 1e6,
+        "fwd_bwd_GBs": total_bytes / fwd_bwd_ms / 1e6,
         "fwd_bwd_frac_of_copy": total_bytes / fwd_bwd_ms / 1e6 / copy_gbs,
     }
 
@@ -214,8 +258,12 @@ def main() -> None:
     print("\nms = forward / forward+backward; GB/s on forward+backward minimum traffic")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "copy_GBs": copy_gbs, "results": rows}, indent=2))
+    out.write_text(
+        json.dumps(
+            {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBs": copy_gbs, "results": rows},
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

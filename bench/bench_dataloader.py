@@ -54,8 +54,15 @@ def check_batch(batch: dict, batch_size: int, seq_len: int) -> None:
 def run_case(name: str, path: Path, tokenizer, packing: str, seq_len: int, batch_size: int, seconds: float) -> dict:
     start = time.perf_counter()
     records = open_records(path, "conversations", "train")
-    loader = ChatDataLoader(records, ChatTokenizer(tokenizer), seq_len=seq_len, local_batch_size=batch_size,
-                            packing=packing, shuffle=True, shuffle_seed=0)
+    loader = ChatDataLoader(
+        records,
+        ChatTokenizer(tokenizer),
+        seq_len=seq_len,
+        local_batch_size=batch_size,
+        packing=packing,
+        shuffle=True,
+        shuffle_seed=0,
+    )
     startup_s = time.perf_counter() - start
     check_batch(loader.next_batch(), batch_size, seq_len)
     loader.next_batch()
@@ -67,8 +74,13 @@ def run_case(name: str, path: Path, tokenizer, packing: str, seq_len: int, batch
     elapsed = time.perf_counter() - begin
     row_tokens = batches * batch_size * seq_len
     return {
-        "data": name, "packing": packing, "seq_len": seq_len, "batch": batch_size, "records": len(records),
-        "startup_s": round(startup_s, 3), "batches": batches,
+        "data": name,
+        "packing": packing,
+        "seq_len": seq_len,
+        "batch": batch_size,
+        "records": len(records),
+        "startup_s": round(startup_s, 3),
+        "batches": batches,
         "row_tok_per_s": row_tokens / elapsed,
         "doc_tok_per_s": (loader.counters["tokens"] - tokens_before) / elapsed,
         "fill": (loader.counters["tokens"] - tokens_before) / row_tokens,
@@ -90,13 +102,17 @@ def main() -> None:
         for name, path, seq_len, batch in cases:
             for packing in ("pack", "pad"):
                 results.append(run_case(name, path, tokenizer, packing, seq_len, batch, args.seconds))
-    header = f"{'data':<10} {'packing':<7} {'seq_len':>7} {'batch':>5} {'records':>8} {'startup s':>9} " \
-             f"{'row tok/s':>11} {'doc tok/s':>11} {'fill':>5}"
+    header = (
+        f"{'data':<10} {'packing':<7} {'seq_len':>7} {'batch':>5} {'records':>8} {'startup s':>9} "
+        f"{'row tok/s':>11} {'doc tok/s':>11} {'fill':>5}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
-        print(f"{r['data']:<10} {r['packing']:<7} {r['seq_len']:>7} {r['batch']:>5} {r['records']:>8} "
-              f"{r['startup_s']:>9.3f} {r['row_tok_per_s']:>11,.0f} {r['doc_tok_per_s']:>11,.0f} {r['fill']:>5.2f}")
+        print(
+            f"{r['data']:<10} {r['packing']:<7} {r['seq_len']:>7} {r['batch']:>5} {r['records']:>8} "
+            f"{r['startup_s']:>9.3f} {r['row_tok_per_s']:>11,.0f} {r['doc_tok_per_s']:>11,.0f} {r['fill']:>5.2f}"
+        )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.json}")

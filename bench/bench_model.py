@@ -38,8 +38,6 @@ def chunked_ce(hidden_BSH: torch.Tensor, weight_VH: torch.Tensor, labels_BS: tor
     return linear_cross_entropy_sum(hidden_BSH, weight_VH, labels_BS) / labels_BS.numel()
 
 
-
-
 def bench_model(args) -> list[dict]:
     margs = get_flavor(args.flavor)
     torch.manual_seed(0)
@@ -69,8 +67,14 @@ def bench_model(args) -> list[dict]:
             loss.backward()
             return loss
 
-        row = {"flavor": args.flavor, "batch": bs, "seq_len": S, "params": params, "compile": args.compile,
-               "attention_backend": args.attention_backend}
+        row = {
+            "flavor": args.flavor,
+            "batch": bs,
+            "seq_len": S,
+            "params": params,
+            "compile": args.compile,
+            "attention_backend": args.attention_backend,
+        }
         try:
             torch.cuda.reset_peak_memory_stats()
             l1 = step().item()
@@ -101,17 +105,23 @@ def print_row(row):
     if "error" in row:
         print(f"{row['flavor']:>14} bs={row['batch']:<3} seq={row['seq_len']:<6} ERROR {row['error']}")
         return
-    print(f"{row['flavor']:>14} bs={row['batch']:<3} seq={row['seq_len']:<6} {row['ms']:9.1f} ms "
-          f"{row['tokens_per_s']:11.0f} tok/s  MFU megatron {100 * row['mfu_megatron']:5.1f}%  "
-          f"torchtitan {100 * row['mfu_torchtitan']:5.1f}%  peak {row['peak_mem_gib']:.1f} GiB")
+    print(
+        f"{row['flavor']:>14} bs={row['batch']:<3} seq={row['seq_len']:<6} {row['ms']:9.1f} ms "
+        f"{row['tokens_per_s']:11.0f} tok/s  MFU megatron {100 * row['mfu_megatron']:5.1f}%  "
+        f"torchtitan {100 * row['mfu_torchtitan']:5.1f}%  peak {row['peak_mem_gib']:.1f} GiB"
+    )
 
 
 def bench_attention(args) -> list[dict]:
     a = get_flavor("motif3_seq")  # the production GDLA shape: 80 q heads, 16 KV heads, qk 192, v 128
     B, S, Hq, Hkv = 2, args.seq_len, a.num_attention_heads, a.num_key_value_heads
     scale = a.head_dim**-0.5
-    cases = [("causal", None, False), (f"window{a.sliding_window}", a.sliding_window, False),
-             ("causal+docs", None, True), (f"window{a.sliding_window}+docs", a.sliding_window, True)]
+    cases = [
+        ("causal", None, False),
+        (f"window{a.sliding_window}", a.sliding_window, False),
+        ("causal+docs", None, True),
+        (f"window{a.sliding_window}+docs", a.sliding_window, True),
+    ]
     rows = []
     for backend in [b for b in args.attention_backends.split(",")]:
         kernel = get_attention_backend(backend)
@@ -119,6 +129,7 @@ def bench_attention(args) -> list[dict]:
         for name, window, docs in cases:
             row = {"backend": backend, "case": name, "B": B, "S": S, "Hq": Hq, "Hkv": Hkv}
             try:
+
                 def make(s):
                     g = torch.Generator(device="cuda").manual_seed(0)
                     q = torch.randn(B, s, Hq, a.head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -155,8 +166,10 @@ def bench_attention(args) -> list[dict]:
             if "error" in row:
                 print(f"{backend:>8} {name:>18}  ERROR {row['error']}")
             else:
-                print(f"{backend:>8} {name:>18} {row['ms']:8.2f} ms {row['tflops']:7.1f} TFLOP/s "
-                      f"(fwd+bwd = 3.5x fwd, causal halved)  err {row['max_err']:.2e}")
+                print(
+                    f"{backend:>8} {name:>18} {row['ms']:8.2f} ms {row['tflops']:7.1f} TFLOP/s "
+                    f"(fwd+bwd = 3.5x fwd, causal halved)  err {row['max_err']:.2e}"
+                )
             torch.cuda.empty_cache()
     return rows
 
@@ -178,8 +191,12 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_model.py needs a CUDA GPU", file=sys.stderr)
         return 1
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "peak_tflops": peak_flops() / 1e12,
-              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "peak_tflops": peak_flops() / 1e12,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     if not args.skip_attention:
         print("== GDLA attention kernel (motif3_seq head shape), fwd+bwd bf16 ==")
         result["attention"] = bench_attention(args)

@@ -31,9 +31,6 @@ from cuda_timing import cuda_time_ms
 NS_STEPS = 5
 
 
-
-
-
 def main_ns_shapes(args) -> dict[str, tuple[int, ...]]:
     """Batch x [rows, cols] of the Muon matrices of one layer (gate_up split into halves)."""
     H, E, Ie = args.hidden_size, args.num_experts, args.moe_intermediate_size
@@ -65,14 +62,21 @@ def bench_ns(model_args, repeats: int) -> list[dict]:
         os.environ["MUON_GRAM_BACKEND"] = "torch"
         ref = newton_schulz(x, NS_STEPS, dtype=torch.bfloat16)
         t_torch = statistics.median(cuda_time_ms(lambda: newton_schulz(x, NS_STEPS, dtype=torch.bfloat16), 3, repeats))
-        row = {"matrix": name, "shape": list(shape), "torch_ms": t_torch, "torch_tflops": ns_flops(shape) / t_torch / 1e9}
+        row = {
+            "matrix": name,
+            "shape": list(shape),
+            "torch_ms": t_torch,
+            "torch_tflops": ns_flops(shape) / t_torch / 1e9,
+        }
         if triton_gram.available():
             os.environ["MUON_GRAM_BACKEND"] = "triton"
             got = newton_schulz(x, NS_STEPS, dtype=torch.bfloat16)
             rel = float((got.float() - ref.float()).norm() / ref.float().norm())
             if rel > 2e-2:
                 raise AssertionError(f"NS with the Triton gram differs from PyTorch on {name} {shape}: rel {rel:.3g}")
-            t_tri = statistics.median(cuda_time_ms(lambda: newton_schulz(x, NS_STEPS, dtype=torch.bfloat16), 3, repeats))
+            t_tri = statistics.median(
+                cuda_time_ms(lambda: newton_schulz(x, NS_STEPS, dtype=torch.bfloat16), 3, repeats)
+            )
             row.update(triton_ms=t_tri, triton_tflops=ns_flops(shape) / t_tri / 1e9, triton_rel_diff=rel)
         rows.append(row)
         del x
@@ -114,7 +118,9 @@ def main() -> None:
         raise SystemExit("bench_optimizer.py needs a CUDA GPU")
     model_args = get_flavor(opts.flavor)
     ns_rows = bench_ns(model_args, opts.repeats)
-    print(f"\nNewton-Schulz ({NS_STEPS} steps, bf16) at {opts.flavor} shapes; triton available: {triton_gram.available()}")
+    print(
+        f"\nNewton-Schulz ({NS_STEPS} steps, bf16) at {opts.flavor} shapes; triton available: {triton_gram.available()}"
+    )
     print(f"{'matrix':<22}{'shape':<22}{'torch ms':>10}{'TFLOP/s':>9}{'triton ms':>11}{'TFLOP/s':>9}")
     for r in ns_rows:
         tri = f"{r['triton_ms']:>11.3f}{r['triton_tflops']:>9.1f}" if "triton_ms" in r else f"{'-':>11}{'-':>9}"
@@ -124,7 +130,12 @@ def main() -> None:
     print(f"{'optimizer':<12}{'step ms':>10}{'muon tensors':>14}")
     for r in step_rows:
         print(f"{r['optimizer']:<12}{r['step_ms']:>10.1f}{r['muon_tensors']:>14}")
-    result = {"device": torch.cuda.get_device_name(), "flavor": opts.flavor, "newton_schulz": ns_rows, "step": step_rows}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "flavor": opts.flavor,
+        "newton_schulz": ns_rows,
+        "step": step_rows,
+    }
     with open(opts.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"\nwrote {opts.out}")

@@ -61,14 +61,26 @@ def profile_steps(trainer, batch: int, seq_len: int, vocab: int, steps: int, out
             trainer.train_step([random_batch(batch, seq_len, vocab, gen)])
         torch.cuda.synchronize()
     events = prof.key_averages()
-    tables = [events.table(sort_by="self_cuda_time_total", row_limit=30),
-              events.table(sort_by="self_cpu_time_total", row_limit=20)]
+    tables = [
+        events.table(sort_by="self_cuda_time_total", row_limit=30),
+        events.table(sort_by="self_cpu_time_total", row_limit=20),
+    ]
     print("\n\n".join(tables))
     Path(out_path).write_text("\n\n".join(tables))
 
 
-def run_case(flavor: str, seq_len: int, batch: int, ac: str, steps: int, warmup: int, compile_: bool, dump: str,
-             profile: int = 0, profile_out: str = "") -> dict:
+def run_case(
+    flavor: str,
+    seq_len: int,
+    batch: int,
+    ac: str,
+    steps: int,
+    warmup: int,
+    compile_: bool,
+    dump: str,
+    profile: int = 0,
+    profile_out: str = "",
+) -> dict:
     cfg = ConfigManager().parse_args([
         "--job.config_file", str(PACKAGE_DIR / "motif" / "train_configs" / "debug_cpu.toml"),
         f"--job.dump_folder={dump}", f"--job.run_name=bench_{flavor}_{ac}", f"--model.flavor={flavor}",
@@ -95,7 +107,9 @@ def run_case(flavor: str, seq_len: int, batch: int, ac: str, steps: int, warmup:
             # reference: an untrained model predicts ~uniformly: CE ~ ln(V) + var(logit)/2, with logit std
             # 0.02 * sqrt(H) at init (<= 1.3 for H = 4096), so within 1.5 of ln(V)
             if not (math.isfinite(rec.ce_loss) and abs(rec.ce_loss - math.log(args.vocab_size)) < 1.5):
-                raise RuntimeError(f"{flavor}: first-step CE {rec.ce_loss:.3f} is not ~ln(V) = {math.log(args.vocab_size):.3f}")
+                raise RuntimeError(
+                    f"{flavor}: first-step CE {rec.ce_loss:.3f} is not ~ln(V) = {math.log(args.vocab_size):.3f}"
+                )
         if i >= warmup:
             times_ms.append(start.elapsed_time(end))
     if profile:

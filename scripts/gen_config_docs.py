@@ -1,7 +1,7 @@
 """Generate docs/config.md (every config key: type, default, allowed values, doc) from the dataclasses.
 
-    python scripts/gen_config_docs.py          # rewrite docs/config.md
-    python scripts/gen_config_docs.py --check  # exit 1 if docs/config.md is stale
+python scripts/gen_config_docs.py          # rewrite docs/config.md
+python scripts/gen_config_docs.py --check  # exit 1 if docs/config.md is stale
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ def render() -> str:
             if f.metadata.get("choices"):
                 doc += f" (one of: {', '.join(f'`{c}`' for c in f.metadata['choices'])})"
             doc = doc.replace("|", "\\|")
-            lines.append(f"| `{f.name}` | {type_name(hints[f.name]).replace('|', 'or')} | `{_default_text(f)}` | {doc} |")
+            lines.append(
+                f"| `{f.name}` | {type_name(hints[f.name]).replace('|', 'or')} | `{_default_text(f)}` | {doc} |"
+            )
         lines.append("")
     return "\n".join(lines)
 

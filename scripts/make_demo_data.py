@@ -82,14 +82,18 @@ def _arithmetic(rng: random.Random, style: str) -> tuple[str, str]:
     if op == "*":
         a, b = rng.randint(0, 12), rng.randint(0, 12)
     value = {"+": a + b, "-": a - b, "*": a * b}[op]
-    question = rng.choice(["What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{a} {op} {b} = ?"]).format(a=a, op=op, b=b)
+    question = rng.choice(["What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{a} {op} {b} = ?"]).format(
+        a=a, op=op, b=b
+    )
     answer = str(value) if style == "terse" else f"{a} {op} {b} = {value}."
     return question, answer
 
 
 def _reverse(rng: random.Random, style: str) -> tuple[str, str]:
     word = rng.choice(WORDS)
-    question = rng.choice(["Reverse the word '{w}'.", "Spell '{w}' backwards.", "What is '{w}' reversed?"]).format(w=word)
+    question = rng.choice(["Reverse the word '{w}'.", "Spell '{w}' backwards.", "What is '{w}' reversed?"]).format(
+        w=word
+    )
     answer = word[::-1] if style == "terse" else f"'{word}' reversed is '{word[::-1]}'."
     return question, answer
 

@@ -39,24 +39,35 @@ def test_single_node_defaults(tmp_path):
     opts = dict(zip(cmd[1:11:2], cmd[2:11:2]))
     assert cmd[0] == "torchrun"
     assert opts == {
-        "--nnodes": "1", "--nproc_per_node": "1", "--node_rank": "0",
-        "--master_addr": "127.0.0.1", "--master_port": "29500",
+        "--nnodes": "1",
+        "--nproc_per_node": "1",
+        "--node_rank": "0",
+        "--master_addr": "127.0.0.1",
+        "--master_port": "29500",
     }
     assert cmd[11:] == ["-m", "llm_training.train", "--job.config_file", CONFIG]
 
 
 def test_kubeflow_env_and_overrides_pass_through():
     env = {
-        "CONFIG_FILE": CONFIG, "DRY_RUN": "1", "PET_NNODES": "4", "PET_NPROC_PER_NODE": "8",
-        "PET_NODE_RANK": "3", "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29400",
+        "CONFIG_FILE": CONFIG,
+        "DRY_RUN": "1",
+        "PET_NNODES": "4",
+        "PET_NPROC_PER_NODE": "8",
+        "PET_NODE_RANK": "3",
+        "PET_MASTER_ADDR": "job-node-0-0.job",
+        "PET_MASTER_PORT": "29400",
     }
     proc = run_wrapper(env, "--training.steps=10", "--job.description", "two words")
     assert proc.returncode == 0, proc.stderr
     cmd = parse_cmd(proc.stdout)
     opts = dict(zip(cmd[1:11:2], cmd[2:11:2]))
     assert opts == {
-        "--nnodes": "4", "--nproc_per_node": "8", "--node_rank": "3",
-        "--master_addr": "job-node-0-0.job", "--master_port": "29400",
+        "--nnodes": "4",
+        "--nproc_per_node": "8",
+        "--node_rank": "3",
+        "--master_addr": "job-node-0-0.job",
+        "--master_port": "29400",
     }
     assert cmd[-3:] == ["--training.steps=10", "--job.description", "two words"]
 

@@ -143,7 +143,9 @@ if __name__ == "__main__":  # CPU/gloo version of the same comparison (slow on s
     with tempfile.TemporaryDirectory() as d:
         one, two = compare_runs(Path(d), device, steps, seq_len)
     for a, b in zip(one, two):
-        print(f"step {a['step']:3d}  1-rank {a['loss']:.6f} gn {a['grad_norm']:.6f}  "
-              f"2-rank {b['loss']:.6f} gn {b['grad_norm']:.6f}")
+        print(
+            f"step {a['step']:3d}  1-rank {a['loss']:.6f} gn {a['grad_norm']:.6f}  "
+            f"2-rank {b['loss']:.6f} gn {b['grad_norm']:.6f}"
+        )
     if steps == STEPS:
         _assert_same_curves(one, two)

@@ -78,8 +78,21 @@ def _env() -> dict[str, str]:
 
 def test_python_dash_m_on_the_demo_config(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "llm_training.train", "--job.config_file", DEBUG_TOML, "--job.dump_folder", str(tmp_path), *SHORT],
-        capture_output=True, text=True, timeout=120, env=_env(), cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "llm_training.train",
+            "--job.config_file",
+            DEBUG_TOML,
+            "--job.dump_folder",
+            str(tmp_path),
+            *SHORT,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     assert "total params" in proc.stdout and "FLOPs/token" in proc.stdout
@@ -89,9 +102,22 @@ def test_python_dash_m_on_the_demo_config(tmp_path):
 def test_torchrun_two_cpu_ranks(tmp_path, free_port):
     port = free_port
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(port), "-m", "llm_training.train", "--job.config_file", DEBUG_TOML,
-        "--job.dump_folder", str(tmp_path), *SHORT,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        "-m",
+        "llm_training.train",
+        "--job.config_file",
+        DEBUG_TOML,
+        "--job.dump_folder",
+        str(tmp_path),
+        *SHORT,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -131,8 +131,10 @@ def grouped_poly_norm(
     if x.dim() != 2:
         raise ValueError(f"{op}: `x` must be [T, D] (rows grouped by expert), got shape {list(x.shape)}")
     if offs.dim() != 1 or offs.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{op}: `offs` must be a 1-D int32/int64 tensor of cumulative row ends, got {offs.dtype} "
-                         f"shape {list(offs.shape)}")
+        raise ValueError(
+            f"{op}: `offs` must be a 1-D int32/int64 tensor of cumulative row ends, got {offs.dtype} "
+            f"shape {list(offs.shape)}"
+        )
     if offs.device != x.device:
         raise ValueError(f"{op}: `offs` is on {offs.device} but `x` on {x.device}; move offs to x's device")
     num_experts = offs.shape[0]

@@ -70,9 +70,7 @@ def poly_forward_math(x_ND, w_K3, b_K1, eps: float):
     x = upcast(x_ND)
     x2 = x * x
     x3 = x2 * x
-    rstd_N3 = torch.stack(
-        [x2.mean(-1), (x2 * x2).mean(-1), (x3 * x3).mean(-1)], dim=-1
-    ).add_(eps).rsqrt_()
+    rstd_N3 = torch.stack([x2.mean(-1), (x2 * x2).mean(-1), (x3 * x3).mean(-1)], dim=-1).add_(eps).rsqrt_()
     p = poly_from_rstd(x, rstd_N3, w_K3, b_K1)
     return p, rstd_N3
 

@@ -45,10 +45,20 @@ def _num_sms(device: torch.device) -> int:
 # ------------------------------------------------------------------------------------------- RMSNorm
 @triton.jit
 def _rms_fwd_kernel(
-    X, RES, H, Y, W, RSTD,
-    stride_x, stride_res, stride_h, stride_y,
-    D, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+    X,
+    RES,
+    H,
+    Y,
+    W,
+    RSTD,
+    stride_x,
+    stride_res,
+    stride_h,
+    stride_y,
+    D,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
@@ -68,10 +78,19 @@ def _rms_fwd_kernel(
 
 @triton.jit
 def _rms_bwd_dx_kernel(
-    DY, DH, H, W, RSTD, DX,
-    stride_dy, stride_dh, stride_h, stride_dx,
+    DY,
+    DH,
+    H,
+    W,
+    RSTD,
+    DX,
+    stride_dy,
+    stride_dh,
+    stride_h,
+    stride_dx,
     D,
-    HAS_DH: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_DH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """dx of one row: rstd * g w - rstd^3 mean(g w h) h (+ dh, the gradient of the x + residual output)."""
     row = tl.program_id(0).to(tl.int64)
@@ -90,10 +109,17 @@ def _rms_bwd_dx_kernel(
 
 @triton.jit
 def _rms_bwd_dw_kernel(
-    DY, H, RSTD, DW_PARTIAL,
-    stride_dy, stride_h,
-    n_rows, D, rows_per_program,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    DY,
+    H,
+    RSTD,
+    DW_PARTIAL,
+    stride_dy,
+    stride_h,
+    n_rows,
+    D,
+    rows_per_program,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """Partial dL/dweight = sum over a block of rows of g h rstd, for one slice of BLOCK_C columns.
 
@@ -127,10 +153,21 @@ def rms_norm_fwd(x_ND, residual_ND, weight_D, eps):
     res = _unit_stride(residual_ND) if has_residual else x_ND
     block_d, num_warps = _launch_config(d)
     _rms_fwd_kernel[(n,)](
-        x_ND, res, h if has_residual else y, y, weight_D.contiguous(), rstd,
-        x_ND.stride(0), res.stride(0), d if has_residual else 0, y.stride(0),
-        d, eps,
-        HAS_RESIDUAL=has_residual, BLOCK_D=block_d, num_warps=num_warps,
+        x_ND,
+        res,
+        h if has_residual else y,
+        y,
+        weight_D.contiguous(),
+        rstd,
+        x_ND.stride(0),
+        res.stride(0),
+        d if has_residual else 0,
+        y.stride(0),
+        d,
+        eps,
+        HAS_RESIDUAL=has_residual,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
     )
     return y, h, rstd
 
@@ -158,10 +195,20 @@ def rms_norm_bwd(dy_ND, dh_ND, h_ND, weight_D, rstd_N):
     dh = _unit_stride(dh_ND) if has_dh else dy_ND
     block_d, num_warps = _launch_config(d)
     _rms_bwd_dx_kernel[(n,)](
-        dy_ND, dh, h_ND, weight_D.contiguous(), rstd_N, dx,
-        dy_ND.stride(0), dh.stride(0), h_ND.stride(0), dx.stride(0),
+        dy_ND,
+        dh,
+        h_ND,
+        weight_D.contiguous(),
+        rstd_N,
+        dx,
+        dy_ND.stride(0),
+        dh.stride(0),
+        h_ND.stride(0),
+        dx.stride(0),
         d,
-        HAS_DH=has_dh, BLOCK_D=block_d, num_warps=num_warps,
+        HAS_DH=has_dh,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
     )
     col_blocks = triton.cdiv(d, RMS_DW_BLOCK_C)
     # about 4 programs per SM in all; every program walks a multiple of RMS_DW_BLOCK_R rows
@@ -170,10 +217,18 @@ def rms_norm_bwd(dy_ND, dh_ND, h_ND, weight_D, rstd_N):
     row_blocks = triton.cdiv(n, rows_per_program)
     dw_partial = h_ND.new_empty((row_blocks, d), dtype=torch.float32)
     _rms_bwd_dw_kernel[(col_blocks, row_blocks)](
-        dy_ND, h_ND, rstd_N, dw_partial,
-        dy_ND.stride(0), h_ND.stride(0),
-        n, d, rows_per_program,
-        BLOCK_R=RMS_DW_BLOCK_R, BLOCK_C=RMS_DW_BLOCK_C, num_warps=4,
+        dy_ND,
+        h_ND,
+        rstd_N,
+        dw_partial,
+        dy_ND.stride(0),
+        h_ND.stride(0),
+        n,
+        d,
+        rows_per_program,
+        BLOCK_R=RMS_DW_BLOCK_R,
+        BLOCK_C=RMS_DW_BLOCK_C,
+        num_warps=4,
     )
     return dx, dw_partial.sum(0)
 
@@ -208,8 +263,22 @@ def _row_coefficients(EXPERT, W, B, row, num_experts, GROUPED: tl.constexpr):
 
 @triton.jit
 def _poly_fwd_chunk(
-    x, cols, in_row, valid, row, UP, Y, stride_up, stride_y, c1, c2, c3, b, output_scale,
-    HAS_UP: tl.constexpr, APPLY_SCALE: tl.constexpr,
+    x,
+    cols,
+    in_row,
+    valid,
+    row,
+    UP,
+    Y,
+    stride_up,
+    stride_y,
+    c1,
+    c2,
+    c3,
+    b,
+    output_scale,
+    HAS_UP: tl.constexpr,
+    APPLY_SCALE: tl.constexpr,
 ):
     """Store out = (P(x) [* up]).to(dtype) [* output_scale] for one chunk of a row (x already fp32)."""
     p = ((c3 * x + c2) * x + c1) * x + b
@@ -223,10 +292,24 @@ def _poly_fwd_chunk(
 
 @triton.jit
 def _poly_fwd_kernel(
-    X, UP, W, B, EXPERT, Y, RSTD,
-    stride_x, stride_up, stride_y,
-    D, num_experts, eps, output_scale,
-    HAS_UP: tl.constexpr, GROUPED: tl.constexpr, APPLY_SCALE: tl.constexpr, CHUNK: tl.constexpr,
+    X,
+    UP,
+    W,
+    B,
+    EXPERT,
+    Y,
+    RSTD,
+    stride_x,
+    stride_up,
+    stride_y,
+    D,
+    num_experts,
+    eps,
+    output_scale,
+    HAS_UP: tl.constexpr,
+    GROUPED: tl.constexpr,
+    APPLY_SCALE: tl.constexpr,
+    CHUNK: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -262,23 +345,41 @@ def _poly_fwd_kernel(
     c1 = w2 * r1
     # outputs; padding rows have zero coefficients -> 0
     if ONE_CHUNK:
-        _poly_fwd_chunk(x, offs, in_row, valid, row, UP, Y, stride_up, stride_y, c1, c2, c3, b, output_scale,
-                        HAS_UP, APPLY_SCALE)
+        _poly_fwd_chunk(
+            x, offs, in_row, valid, row, UP, Y, stride_up, stride_y, c1, c2, c3, b, output_scale, HAS_UP, APPLY_SCALE
+        )
     else:
         for start in range(0, D, CHUNK):  # pass 2 re-reads the row (normally from L2)
             cols = start + offs
             in_row = cols < D
             x = tl.load(X + row * stride_x + cols, mask=in_row & valid, other=0.0).to(tl.float32)
-            _poly_fwd_chunk(x, cols, in_row, valid, row, UP, Y, stride_up, stride_y, c1, c2, c3, b, output_scale,
-                            HAS_UP, APPLY_SCALE)
+            _poly_fwd_chunk(
+                x,
+                cols,
+                in_row,
+                valid,
+                row,
+                UP,
+                Y,
+                stride_up,
+                stride_y,
+                c1,
+                c2,
+                c3,
+                b,
+                output_scale,
+                HAS_UP,
+                APPLY_SCALE,
+            )
     tl.store(RSTD + row * 3 + 0, r1)
     tl.store(RSTD + row * 3 + 1, r2)
     tl.store(RSTD + row * 3 + 2, r3)
 
 
 @triton.jit
-def _poly_bwd_load_chunk(X, DY, UP, row, cols, mask, stride_x, stride_dy, stride_up, output_scale,
-                         HAS_UP: tl.constexpr):
+def _poly_bwd_load_chunk(
+    X, DY, UP, row, cols, mask, stride_x, stride_dy, stride_up, output_scale, HAS_UP: tl.constexpr
+):
     """(x, g_out = dL/dout * output_scale, g = dL/dP) of one chunk, fp32 (g = g_out * up with `up`)."""
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     g_out = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32) * output_scale
@@ -290,7 +391,23 @@ def _poly_bwd_load_chunk(X, DY, UP, row, cols, mask, stride_x, stride_dy, stride
 
 @triton.jit
 def _poly_bwd_store_chunk(
-    x, g_out, g, cols, in_row, row, DX, DUP, stride_dx, stride_dup, c1, c2, c3, b, k1, k2, k3,
+    x,
+    g_out,
+    g,
+    cols,
+    in_row,
+    row,
+    DX,
+    DUP,
+    stride_dx,
+    stride_dup,
+    c1,
+    c2,
+    c3,
+    b,
+    k1,
+    k2,
+    k3,
     HAS_UP: tl.constexpr,
 ):
     """Store dx (and d up = g_out * P(x)) of one chunk."""
@@ -304,10 +421,28 @@ def _poly_bwd_store_chunk(
 
 @triton.jit
 def _poly_bwd_kernel(
-    DY, X, UP, W, B, EXPERT, RSTD, DX, DUP, STATS,
-    stride_dy, stride_x, stride_up, stride_dx, stride_dup,
-    D, num_experts, output_scale,
-    HAS_UP: tl.constexpr, GROUPED: tl.constexpr, CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    DY,
+    X,
+    UP,
+    W,
+    B,
+    EXPERT,
+    RSTD,
+    DX,
+    DUP,
+    STATS,
+    stride_dy,
+    stride_x,
+    stride_up,
+    stride_dx,
+    stride_dup,
+    D,
+    num_experts,
+    output_scale,
+    HAS_UP: tl.constexpr,
+    GROUPED: tl.constexpr,
+    CHUNK: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNK)
@@ -322,8 +457,9 @@ def _poly_bwd_kernel(
     # chunk (the row is then read once), else in a first pass over the chunks
     if ONE_CHUNK:
         in_row = offs < D
-        x, g_out, g = _poly_bwd_load_chunk(X, DY, UP, row, offs, in_row & valid, stride_x, stride_dy, stride_up,
-                                           output_scale, HAS_UP)
+        x, g_out, g = _poly_bwd_load_chunk(
+            X, DY, UP, row, offs, in_row & valid, stride_x, stride_dy, stride_up, output_scale, HAS_UP
+        )
         gx = g * x
         t1 = tl.sum(gx, axis=0)
         t2 = tl.sum(gx * x, axis=0)
@@ -336,8 +472,9 @@ def _poly_bwd_kernel(
         acc_g = tl.zeros([CHUNK], dtype=tl.float32)
         for start in range(0, D, CHUNK):
             cols = start + offs
-            x, g_out, g = _poly_bwd_load_chunk(X, DY, UP, row, cols, (cols < D) & valid, stride_x, stride_dy,
-                                               stride_up, output_scale, HAS_UP)
+            x, g_out, g = _poly_bwd_load_chunk(
+                X, DY, UP, row, cols, (cols < D) & valid, stride_x, stride_dy, stride_up, output_scale, HAS_UP
+            )
             gx = g * x
             acc_g += g
             acc1 += gx
@@ -353,16 +490,19 @@ def _poly_bwd_kernel(
     k2 = 2.0 * c2 * r2 * r2 * t2 / D
     k3 = 3.0 * c3 * r3 * r3 * t3 / D
     if ONE_CHUNK:
-        _poly_bwd_store_chunk(x, g_out, g, offs, in_row, row, DX, DUP, stride_dx, stride_dup, c1, c2, c3, b,
-                              k1, k2, k3, HAS_UP)
+        _poly_bwd_store_chunk(
+            x, g_out, g, offs, in_row, row, DX, DUP, stride_dx, stride_dup, c1, c2, c3, b, k1, k2, k3, HAS_UP
+        )
     else:
         for start in range(0, D, CHUNK):  # pass 2 re-reads the row chunks (normally from L2)
             cols = start + offs
             in_row = cols < D
-            x, g_out, g = _poly_bwd_load_chunk(X, DY, UP, row, cols, in_row & valid, stride_x, stride_dy,
-                                               stride_up, output_scale, HAS_UP)
-            _poly_bwd_store_chunk(x, g_out, g, cols, in_row, row, DX, DUP, stride_dx, stride_dup, c1, c2, c3, b,
-                                  k1, k2, k3, HAS_UP)
+            x, g_out, g = _poly_bwd_load_chunk(
+                X, DY, UP, row, cols, in_row & valid, stride_x, stride_dy, stride_up, output_scale, HAS_UP
+            )
+            _poly_bwd_store_chunk(
+                x, g_out, g, cols, in_row, row, DX, DUP, stride_dx, stride_dup, c1, c2, c3, b, k1, k2, k3, HAS_UP
+            )
     tl.store(STATS + row * 4 + 0, r3 * t3)
     tl.store(STATS + row * 4 + 1, r2 * t2)
     tl.store(STATS + row * 4 + 2, r1 * t1)
@@ -371,8 +511,13 @@ def _poly_bwd_kernel(
 
 @triton.jit
 def _segment_sum_kernel(
-    STATS, EXPERT, PARTIAL, n_rows, num_experts,
-    BLOCK_R: tl.constexpr, K: tl.constexpr,
+    STATS,
+    EXPERT,
+    PARTIAL,
+    n_rows,
+    num_experts,
+    BLOCK_R: tl.constexpr,
+    K: tl.constexpr,
 ):
     """Per-expert sums of the [n_rows, K] per-row stats over one block of BLOCK_R rows.
 
@@ -409,7 +554,14 @@ def per_expert_sums(stats_NK: torch.Tensor, expert_N: torch.Tensor, num_experts:
     if n == 0:
         return partial.sum(0)
     _segment_sum_kernel[(num_blocks,)](
-        stats_NK.contiguous(), expert_N, partial, n, num_experts, BLOCK_R=SEGMENT_BLOCK_ROWS, K=k, num_warps=8,
+        stats_NK.contiguous(),
+        expert_N,
+        partial,
+        n,
+        num_experts,
+        BLOCK_R=SEGMENT_BLOCK_ROWS,
+        K=k,
+        num_warps=8,
     )
     return partial.sum(0)
 
@@ -438,11 +590,26 @@ def poly_norm_fwd(x_ND, up_ND, weight_E3, bias_E1, offs_E, eps, output_scale):
     up = _unit_stride(up_ND) if up_ND is not None else x_ND
     chunk, num_warps = _poly_launch_config(d)
     _poly_fwd_kernel[(n,)](
-        x_ND, up, weight_E3.contiguous(), bias_E1.contiguous(), expert_N if expert_N is not None else rstd, y, rstd,
-        x_ND.stride(0), up.stride(0), y.stride(0),
-        d, num_experts, eps, output_scale,
-        HAS_UP=up_ND is not None, GROUPED=offs_E is not None, APPLY_SCALE=output_scale != 1.0,
-        CHUNK=chunk, ONE_CHUNK=d <= chunk, num_warps=num_warps,
+        x_ND,
+        up,
+        weight_E3.contiguous(),
+        bias_E1.contiguous(),
+        expert_N if expert_N is not None else rstd,
+        y,
+        rstd,
+        x_ND.stride(0),
+        up.stride(0),
+        y.stride(0),
+        d,
+        num_experts,
+        eps,
+        output_scale,
+        HAS_UP=up_ND is not None,
+        GROUPED=offs_E is not None,
+        APPLY_SCALE=output_scale != 1.0,
+        CHUNK=chunk,
+        ONE_CHUNK=d <= chunk,
+        num_warps=num_warps,
     )
     return y, rstd
 
@@ -463,11 +630,28 @@ def poly_norm_bwd(dy_ND, x_ND, up_ND, weight_E3, bias_E1, offs_E, rstd_N3, outpu
     up = _unit_stride(up_ND) if up_ND is not None else x_ND
     chunk, num_warps = _poly_launch_config(d)
     _poly_bwd_kernel[(n,)](
-        dy_ND, x_ND, up, weight_E3.contiguous(), bias_E1.contiguous(), expert_N if expert_N is not None else rstd_N3,
-        rstd_N3, dx, dup if up_ND is not None else dx, stats,
-        dy_ND.stride(0), x_ND.stride(0), up.stride(0), dx.stride(0), d,
-        d, num_experts, output_scale,
-        HAS_UP=up_ND is not None, GROUPED=offs_E is not None, CHUNK=chunk, ONE_CHUNK=d <= chunk,
+        dy_ND,
+        x_ND,
+        up,
+        weight_E3.contiguous(),
+        bias_E1.contiguous(),
+        expert_N if expert_N is not None else rstd_N3,
+        rstd_N3,
+        dx,
+        dup if up_ND is not None else dx,
+        stats,
+        dy_ND.stride(0),
+        x_ND.stride(0),
+        up.stride(0),
+        dx.stride(0),
+        d,
+        d,
+        num_experts,
+        output_scale,
+        HAS_UP=up_ND is not None,
+        GROUPED=offs_E is not None,
+        CHUNK=chunk,
+        ONE_CHUNK=d <= chunk,
         num_warps=num_warps,
     )
     if expert_N is None:

@@ -35,9 +35,7 @@ def _rms_norm_fwd_fake(x, residual, weight, eps):
 
 
 @torch.library.custom_op("activation::rms_norm_bwd", mutates_args=())
-def rms_norm_bwd(
-    dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Tensor, rstd: Tensor
-) -> tuple[Tensor, Tensor]:
+def rms_norm_bwd(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
     """(dL/dh (plus the direct gradient dh of the x + residual output), dL/dweight fp32)."""
     dx, dw = _kernels().rms_norm_bwd(dy, dh, h, weight, rstd)
     return dx, dw.to(weight.dtype)
@@ -69,7 +67,12 @@ rms_norm_fwd.register_autograd(_rms_backward, setup_context=_rms_setup_context)
 # ------------------------------------------------------------------------------------------ PolyNorm
 @torch.library.custom_op("activation::poly_norm_fwd", mutates_args=())
 def poly_norm_fwd(
-    x: Tensor, up: Optional[Tensor], weight: Tensor, bias: Tensor, offs: Optional[Tensor], eps: float,
+    x: Tensor,
+    up: Optional[Tensor],
+    weight: Tensor,
+    bias: Tensor,
+    offs: Optional[Tensor],
+    eps: float,
     output_scale: float,
 ) -> tuple[Tensor, Tensor]:
     """(out [N, D] in x's dtype, rstd fp32 [N, 3]); see `reference.PolyNormFn` for the semantics."""
@@ -84,7 +87,13 @@ def _poly_norm_fwd_fake(x, up, weight, bias, offs, eps, output_scale):
 
 @torch.library.custom_op("activation::poly_norm_bwd", mutates_args=())
 def poly_norm_bwd(
-    dy: Tensor, x: Tensor, up: Optional[Tensor], weight: Tensor, bias: Tensor, offs: Optional[Tensor], rstd: Tensor,
+    dy: Tensor,
+    x: Tensor,
+    up: Optional[Tensor],
+    weight: Tensor,
+    bias: Tensor,
+    offs: Optional[Tensor],
+    rstd: Tensor,
     output_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dup (empty without up), dweight [E, 3], dbias [E, 1]) of the effective coefficients."""

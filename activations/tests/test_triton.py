@@ -101,7 +101,11 @@ def test_fused_mul_poly_norm(monkeypatch, shape, dtype):
     _compare(
         monkeypatch,
         lambda g, u, w, b: activation.fused_mul_poly_norm(g, u, w, b, output_scale=0.5),
-        dtype, gate, up, w, b,
+        dtype,
+        gate,
+        up,
+        w,
+        b,
     )
 
 
@@ -116,7 +120,7 @@ def test_grouped_poly_norm(monkeypatch, shape, dtype, with_up):
     sizes = (sizes * (rows - 21) // sizes.sum()).clamp(min=0)
     offs = sizes.cumsum(0).to(torch.int32).to(DEVICE)
     x = _rand(shape, dtype, scale=2.0)
-    x[int(offs[-1]):] = float("nan")  # padding rows may hold garbage
+    x[int(offs[-1]) :] = float("nan")  # padding rows may hold garbage
     up = _rand(shape, dtype, seed=6)
     w = _rand((num_experts, 3), torch.float32, seed=7)
     b = _rand((num_experts, 1), torch.float32, seed=8)
@@ -194,9 +198,13 @@ def test_triton_ops_under_torch_compile_fullgraph(monkeypatch):
         return y + activation.grouped_poly_norm(h, ew, eb, offs, bias_clamp=0.5, up=up, output_scale=0.5)
 
     tensors = [
-        _rand((320, 1280), torch.bfloat16), _rand((320, 1280), torch.bfloat16, seed=1),
-        _rand((1280,), torch.float32, seed=2), _rand((3,), torch.float32, seed=3), _rand((1,), torch.float32, seed=4),
-        _rand((2, 3), torch.float32, seed=5), _rand((2, 1), torch.float32, seed=6),
+        _rand((320, 1280), torch.bfloat16),
+        _rand((320, 1280), torch.bfloat16, seed=1),
+        _rand((1280,), torch.float32, seed=2),
+        _rand((3,), torch.float32, seed=3),
+        _rand((1,), torch.float32, seed=4),
+        _rand((2, 3), torch.float32, seed=5),
+        _rand((2, 1), torch.float32, seed=6),
     ]
     eager_leaves = [t.clone().requires_grad_(True) for t in tensors]
     compiled_leaves = [t.clone().requires_grad_(True) for t in tensors]
@@ -222,8 +230,12 @@ def test_reference_grouped_poly_norm_under_inductor(monkeypatch):
     def fn(x, up, w, b):
         return activation.grouped_poly_norm(x, w, b, offs, bias_clamp=0.5, up=up, output_scale=0.5)
 
-    tensors = [_rand((rows, d), torch.bfloat16), _rand((rows, d), torch.bfloat16, seed=1),
-               _rand((num_experts, 3), torch.float32, seed=2), _rand((num_experts, 1), torch.float32, seed=3)]
+    tensors = [
+        _rand((rows, d), torch.bfloat16),
+        _rand((rows, d), torch.bfloat16, seed=1),
+        _rand((num_experts, 3), torch.float32, seed=2),
+        _rand((num_experts, 1), torch.float32, seed=3),
+    ]
     eager_leaves = [t.clone().requires_grad_(True) for t in tensors]
     compiled_leaves = [t.clone().requires_grad_(True) for t in tensors]
     eager = fn(*eager_leaves)

@@ -59,7 +59,10 @@ class Training:
     seq_len: int = option(256, "tokens per sequence (packed); at most the flavor's max_seq_len")
     steps: int = option(300, "number of optimizer steps")
     max_norm: float = option(1.0, "gradient clipping max global L2 norm (0 disables clipping)")
-    seed: int = option(42, "seed of model init and of the torch/python/numpy RNGs (the data order uses [huggingface_dataset] shuffle_seed)")
+    seed: int = option(
+        42,
+        "seed of model init and of the torch/python/numpy RNGs (the data order uses [huggingface_dataset] shuffle_seed)",
+    )
     deterministic: bool = option(False, "use deterministic algorithms (slower; bitwise-reproducible where feasible)")
     mtp_loss_weight: float = option(0.3, "weight of the multi-token-prediction loss added to the main loss")
     mixed_precision_param: str = option(
@@ -71,16 +74,22 @@ class Training:
     max_consecutive_nonfinite: int = option(
         3, "abort after this many consecutive steps with a non-finite loss or grad norm (those steps are skipped)"
     )
-    device: str = option("auto", "device to train on (auto: cuda if available, else cpu)", choices=("auto", "cpu", "cuda"))
+    device: str = option(
+        "auto", "device to train on (auto: cuda if available, else cpu)", choices=("auto", "cpu", "cuda")
+    )
 
 
 @dataclass
 class HuggingFaceDataset:
     split: str = option("train", "dataset split to read")
-    conversations_field: str = option("conversations", "record field holding the chat turns (a list of {role, content})")
+    conversations_field: str = option(
+        "conversations", "record field holding the chat turns (a list of {role, content})"
+    )
     shuffle: bool = option(True, "shuffle records before packing")
     shuffle_seed: int = option(1234, "seed of the record shuffle")
-    packing: str = option("pack", "pack several documents per row, or one padded document per row", choices=("pack", "pad"))
+    packing: str = option(
+        "pack", "pack several documents per row, or one padded document per row", choices=("pack", "pad")
+    )
     overlong: str = option("truncate", "what to do with documents longer than seq_len", choices=("truncate", "drop"))
     bad_record_policy: str = option(
         "skip", "malformed records: skip (counted, logged) or fail at once", choices=("skip", "fail")
@@ -90,8 +99,12 @@ class HuggingFaceDataset:
 
 @dataclass
 class Optimizer:
-    name: str = option("muon", "muon (Muon for hidden matrices + AdamW for the rest) or adamw everywhere", choices=("muon", "adamw"))
-    lr: float = option(2e-3, "peak learning rate (Muon uses the Moonlight 0.2*sqrt(max(A,B)) scaling, so AdamW and Muon share it)")
+    name: str = option(
+        "muon", "muon (Muon for hidden matrices + AdamW for the rest) or adamw everywhere", choices=("muon", "adamw")
+    )
+    lr: float = option(
+        2e-3, "peak learning rate (Muon uses the Moonlight 0.2*sqrt(max(A,B)) scaling, so AdamW and Muon share it)"
+    )
     weight_decay: float = option(0.1, "decoupled weight decay on matrices (not on norms, gains, biases)")
     momentum: float = option(0.95, "Muon momentum")
     nesterov: bool = option(True, "Nesterov momentum in Muon")
@@ -107,7 +120,9 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = option(20, "linear warmup steps from 0 to the peak lr")
-    decay_type: str = option("cosine", "decay after warmup (wsd: constant, then linear decay)", choices=("cosine", "linear", "wsd"))
+    decay_type: str = option(
+        "cosine", "decay after warmup (wsd: constant, then linear decay)", choices=("cosine", "linear", "wsd")
+    )
     wsd_decay_ratio: float = option(0.2, "wsd only: fraction of the steps spent decaying at the end")
     min_lr_factor: float = option(0.1, "final lr as a fraction of the peak lr")
 
@@ -130,14 +145,20 @@ class Checkpoint:
     interval: int = option(100, "save every this many steps (also at the end and on SIGTERM)")
     keep_latest_k: int = option(3, "keep only the newest k checkpoints (0 keeps all)")
     async_mode: str = option("disabled", "save synchronously or in a background thread", choices=("disabled", "async"))
-    initial_load_path: str = option("", "weights to start from when no checkpoint of this run exists (empty: random init)")
+    initial_load_path: str = option(
+        "", "weights to start from when no checkpoint of this run exists (empty: random init)"
+    )
     initial_load_format: str = option("hf", "format of initial_load_path", choices=("hf", "dcp"))
     export_dtype: str = option("bfloat16", "dtype of exported HF safetensors", choices=("bfloat16", "float32"))
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = option("none", "recompute activations in backward: none, every block, or selected ops", choices=("none", "full", "selective"))
+    mode: str = option(
+        "none",
+        "recompute activations in backward: none, every block, or selected ops",
+        choices=("none", "full", "selective"),
+    )
 
 
 COMPILE_COMPONENTS = ("model", "loss")
@@ -146,7 +167,9 @@ COMPILE_COMPONENTS = ("model", "loss")
 @dataclass
 class Compile:
     enable: bool = option(False, "torch.compile the components listed in components")
-    components: list[str] = option(list(COMPILE_COMPONENTS), f"what to compile, from {', '.join(COMPILE_COMPONENTS)}", choices=COMPILE_COMPONENTS)
+    components: list[str] = option(
+        list(COMPILE_COMPONENTS), f"what to compile, from {', '.join(COMPILE_COMPONENTS)}", choices=COMPILE_COMPONENTS
+    )
 
 
 @dataclass
@@ -161,7 +184,9 @@ class Quantize:
 @dataclass
 class Metrics:
     log_freq: int = option(10, "log metrics every this many steps")
-    enable_wandb: bool = option(False, "log to Weights & Biases (WANDB_API_KEY / WANDB_PROJECT / WANDB_MODE from the environment)")
+    enable_wandb: bool = option(
+        False, "log to Weights & Biases (WANDB_API_KEY / WANDB_PROJECT / WANDB_MODE from the environment)"
+    )
     enable_tensorboard: bool = option(False, "write TensorBoard event files under <dump_folder>/<run_name>/tb")
     save_jsonl: bool = option(True, "append metrics to <dump_folder>/<run_name>/metrics.jsonl")
 

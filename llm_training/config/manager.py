@@ -251,8 +251,12 @@ class ConfigManager:
         try:
             value = convert_value(raw, tp, from_cli)
         except _BadValue:
-            hint = " (a bare --flag means true; use =true/=false)" if _unwrap_optional(tp)[0] is bool and from_cli else ""
-            list_hint = " (comma-separated on the command line, a [..] array in TOML)" if "list" in type_name(tp) else ""
+            hint = (
+                " (a bare --flag means true; use =true/=false)" if _unwrap_optional(tp)[0] is bool and from_cli else ""
+            )
+            list_hint = (
+                " (comma-separated on the command line, a [..] array in TOML)" if "list" in type_name(tp) else ""
+            )
             raise ConfigError(
                 f"[{section}] {key}: expected {type_name(tp)}{list_hint}, got {raw!r} "
                 f"({type(raw).__name__}) from {origin}{hint}"
@@ -262,7 +266,5 @@ class ConfigManager:
         if choices:
             for v in value if isinstance(value, list) else [value]:
                 if v not in choices:
-                    raise ConfigError(
-                        f"[{section}] {key}: {v!r} (from {origin}) is not one of: {', '.join(choices)}"
-                    )
+                    raise ConfigError(f"[{section}] {key}: {v!r} (from {origin}) is not one of: {', '.join(choices)}")
         setattr(getattr(config, section), key, value)

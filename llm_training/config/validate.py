@@ -67,7 +67,10 @@ def validate_config(c: "JobConfig") -> None:
         )
 
     hf = c.huggingface_dataset
-    _require(0.0 <= hf.max_bad_fraction <= 1.0, f"[huggingface_dataset] max_bad_fraction must be in [0, 1], got {hf.max_bad_fraction}")
+    _require(
+        0.0 <= hf.max_bad_fraction <= 1.0,
+        f"[huggingface_dataset] max_bad_fraction must be in [0, 1], got {hf.max_bad_fraction}",
+    )
 
     o = c.optimizer
     _require(o.lr > 0, f"[optimizer] lr must be > 0, got {o.lr}")
@@ -79,7 +82,9 @@ def validate_config(c: "JobConfig") -> None:
         f"[optimizer] adamw_betas must be two numbers in [0, 1), e.g. [0.9, 0.95]; got {o.adamw_betas}",
     )
     _require(o.adamw_eps > 0, f"[optimizer] adamw_eps must be > 0, got {o.adamw_eps}")
-    _require(o.qk_clip_threshold >= 0, f"[optimizer] qk_clip_threshold must be >= 0 (0 disables), got {o.qk_clip_threshold}")
+    _require(
+        o.qk_clip_threshold >= 0, f"[optimizer] qk_clip_threshold must be >= 0 (0 disables), got {o.qk_clip_threshold}"
+    )
 
     s = c.lr_scheduler
     _require(s.warmup_steps >= 0, f"[lr_scheduler] warmup_steps must be >= 0, got {s.warmup_steps}")
@@ -91,13 +96,22 @@ def validate_config(c: "JobConfig") -> None:
     _require(0 < s.wsd_decay_ratio <= 1, f"[lr_scheduler] wsd_decay_ratio must be in (0, 1], got {s.wsd_decay_ratio}")
     _require(0 <= s.min_lr_factor <= 1, f"[lr_scheduler] min_lr_factor must be in [0, 1], got {s.min_lr_factor}")
 
-    _require(p.data_parallel_replicate_degree >= 1, f"[parallelism] data_parallel_replicate_degree must be >= 1, got {p.data_parallel_replicate_degree}")
+    _require(
+        p.data_parallel_replicate_degree >= 1,
+        f"[parallelism] data_parallel_replicate_degree must be >= 1, got {p.data_parallel_replicate_degree}",
+    )
     _require(
         p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
         f"[parallelism] data_parallel_shard_degree must be -1 (the rest) or >= 1, got {p.data_parallel_shard_degree}",
     )
-    _require(p.expert_parallel_degree >= 1, f"[parallelism] expert_parallel_degree must be >= 1, got {p.expert_parallel_degree}")
-    _require(p.context_parallel_degree >= 1, f"[parallelism] context_parallel_degree must be >= 1, got {p.context_parallel_degree}")
+    _require(
+        p.expert_parallel_degree >= 1,
+        f"[parallelism] expert_parallel_degree must be >= 1, got {p.expert_parallel_degree}",
+    )
+    _require(
+        p.context_parallel_degree >= 1,
+        f"[parallelism] context_parallel_degree must be >= 1, got {p.context_parallel_degree}",
+    )
     cp = p.context_parallel_degree
     _require(
         t.seq_len % cp == 0,

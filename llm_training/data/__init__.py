@@ -10,7 +10,22 @@ from llm_training.data.tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer
 DEMO_DATA_PATH = BUNDLED_TOKENIZER_PATH.parent / "demo_chat.jsonl"
 
 __all__ = [
-    "BUNDLED_TOKENIZER_PATH", "DEMO_DATA_PATH", "IGNORE_INDEX", "BadRecord", "BadRecordError", "ChatDataLoader",
-    "ChatTokenizer", "Document", "JsonlRecords", "RowPacker", "SaveToDiskRecords", "TokenizedChat",
-    "build_dataloader", "build_tokenizer", "collate_rows", "fit_document", "open_records", "validate_conversation",
+    "BUNDLED_TOKENIZER_PATH",
+    "DEMO_DATA_PATH",
+    "IGNORE_INDEX",
+    "BadRecord",
+    "BadRecordError",
+    "ChatDataLoader",
+    "ChatTokenizer",
+    "Document",
+    "JsonlRecords",
+    "RowPacker",
+    "SaveToDiskRecords",
+    "TokenizedChat",
+    "build_dataloader",
+    "build_tokenizer",
+    "collate_rows",
+    "fit_document",
+    "open_records",
+    "validate_conversation",
 ]

@@ -49,8 +49,15 @@ PACKING_MODES = ("pack", "pad")
 OVERLONG_MODES = ("truncate", "drop")
 BAD_RECORD_POLICIES = ("skip", "fail")
 COUNTER_NAMES = (
-    "records_seen", "bad_records", "overlong_truncated", "overlong_dropped", "documents", "rows", "tokens",
-    "target_tokens", "epochs_completed",
+    "records_seen",
+    "bad_records",
+    "overlong_truncated",
+    "overlong_dropped",
+    "documents",
+    "rows",
+    "tokens",
+    "target_tokens",
+    "epochs_completed",
 )
 
 
@@ -236,12 +243,22 @@ class ChatDataLoader:
         logger.info(
             "data rank %d: epoch %d done (%d records in shard); totals: %d bad, %d overlong truncated, %d overlong "
             "dropped, %d documents; starting epoch %d",
-            self.dp_rank, self.epoch, len(self._shard(self.epoch)), c["bad_records"], c["overlong_truncated"],
-            c["overlong_dropped"], c["documents"], self.epoch + 1,
+            self.dp_rank,
+            self.epoch,
+            len(self._shard(self.epoch)),
+            c["bad_records"],
+            c["overlong_truncated"],
+            c["overlong_dropped"],
+            c["documents"],
+            self.epoch + 1,
         )
         if c["bad_records"]:
-            logger.warning("data rank %d: bad records skipped so far: %d; first: %s", self.dp_rank,
-                           c["bad_records"], "; ".join(self.bad_examples))
+            logger.warning(
+                "data rank %d: bad records skipped so far: %d; first: %s",
+                self.dp_rank,
+                c["bad_records"],
+                "; ".join(self.bad_examples),
+            )
         self._check_bad_fraction()
         if self.epoch_documents == 0:
             raise BadRecordError(
@@ -301,9 +318,15 @@ class ChatDataLoader:
     # ---- state --------------------------------------------------------------------------------------------
     def _fingerprint(self) -> dict:
         return {
-            "num_records": len(self.records), "dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size,
-            "seq_len": self.seq_len, "local_batch_size": self.batch_size, "packing": self.packing,
-            "overlong": self.overlong, "shuffle": self.shuffle, "shuffle_seed": self.shuffle_seed,
+            "num_records": len(self.records),
+            "dp_rank": self.dp_rank,
+            "dp_world_size": self.dp_world_size,
+            "seq_len": self.seq_len,
+            "local_batch_size": self.batch_size,
+            "packing": self.packing,
+            "overlong": self.overlong,
+            "shuffle": self.shuffle,
+            "shuffle_seed": self.shuffle_seed,
         }
 
     def state_dict(self) -> dict:

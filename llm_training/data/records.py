@@ -157,8 +157,10 @@ class SaveToDiskRecords:
 def open_records(dataset_path: str | Path, conversations_field: str, split: str) -> JsonlRecords | SaveToDiskRecords:
     """Pick the reader for `dataset_path`; fail with the key name when the path does not exist."""
     if not dataset_path:
-        raise ValueError("[training] dataset_path is empty: set it to a *.jsonl file, a folder of them, or a "
-                         "datasets.save_to_disk directory")
+        raise ValueError(
+            "[training] dataset_path is empty: set it to a *.jsonl file, a folder of them, or a "
+            "datasets.save_to_disk directory"
+        )
     path = Path(dataset_path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"[training] dataset_path: {str(path)!r} does not exist")

@@ -26,8 +26,9 @@ class GDLAttention(nn.Module):
     """One GDLA layer. `sliding` selects the window (args.sliding_window) vs causal full attention; the
     caller passes the matching RoPE table and softmax scale (args.softmax_scale for the trunk)."""
 
-    def __init__(self, args, *, sliding: bool, softmax_scale: float, rope: RotaryEmbedding,
-                 attention_backend: str = "auto"):
+    def __init__(
+        self, args, *, sliding: bool, softmax_scale: float, rope: RotaryEmbedding, attention_backend: str = "auto"
+    ):
         super().__init__()
         H = args.hidden_size
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
@@ -48,7 +49,8 @@ class GDLAttention(nn.Module):
         self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * (self.d_nope + self.d_rope), bias=False)
         self.wq_b_gate = (
             nn.Linear(args.q_lora_rank, self.n_sig * self.d_v, bias=False)
-            if args.elementwise_attn_output_gate else None
+            if args.elementwise_attn_output_gate
+            else None
         )
         self.wkv_a = nn.Linear(H, self.kv_lora_rank + self.d_rope, bias=False)
         self.kv_norm = RMSNorm(self.kv_lora_rank, args.rms_norm_eps)
@@ -69,8 +71,9 @@ class GDLAttention(nn.Module):
             else:
                 nn.init.normal_(linear.weight, mean=0.0, std=self.init_std)
 
-    def forward(self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor,
-                document_ids_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor, document_ids_BS: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         B, S, _ = x_BSH.shape
         cos, sin = self.rope.cos_sin(position_ids_BS)
 
@@ -85,19 +88,28 @@ class GDLAttention(nn.Module):
         k_pe = apply_rope_interleaved(k_pe.unsqueeze(2), cos, sin)  # one shared rope head
         k = torch.cat([k_nope, k_pe.expand(B, S, self.n_kv_heads, self.d_rope)], dim=-1)
 
-        out, max_logits = self.kernel(q, k, v.contiguous(), scale=self.softmax_scale, window=self.window,
-                                      document_ids=document_ids_BS, record_max_logits=self.record_max_logits)
+        out, max_logits = self.kernel(
+            q,
+            k,
+            v.contiguous(),
+            scale=self.softmax_scale,
+            window=self.window,
+            document_ids=document_ids_BS,
+            record_max_logits=self.record_max_logits,
+        )
         self.max_logits = max_logits.detach().float() if max_logits is not None else None
 
         lam = torch.sigmoid(F.linear(x_BSH.float(), self.lambda_proj.weight.float()))  # fp32 [B, S, n_sig]
         gate_logits = self.wq_b_gate(c_q) if self.wq_b_gate is not None else None
-        y = grouped_differential(out.view(B, S, self.n_noise, self.r + 1, self.d_v),
-                                 lam.view(B, S, self.n_noise, self.r), gate_logits)
+        y = grouped_differential(
+            out.view(B, S, self.n_noise, self.r + 1, self.d_v), lam.view(B, S, self.n_noise, self.r), gate_logits
+        )
         return self.wo(y.reshape(B, S, self.n_sig * self.d_v).to(x_BSH.dtype))
 
 
-def grouped_differential(out_BSGPD: torch.Tensor, lam_BSGR: torch.Tensor,
-                         gate_logits: Optional[torch.Tensor]) -> torch.Tensor:
+def grouped_differential(
+    out_BSGPD: torch.Tensor, lam_BSGR: torch.Tensor, gate_logits: Optional[torch.Tensor]
+) -> torch.Tensor:
     """Per group g of P = r + 1 heads (r signal, then 1 noise): y_j = (O_j - lam_j O_noise) * sigmoid(gate_j),
     computed in fp32, returned in the attention output's dtype as [B, S, G, r, D]. `gate_logits` is the
     [B, S, G*r*D] output of wq_b_gate (None: no gate)."""

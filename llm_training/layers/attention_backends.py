@@ -27,7 +27,11 @@ AttentionKernel = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 # ---------------------------------------------------------------------------------------- masks
 def visibility_mask(
-    queries: range, keys: range, device: torch.device, *, window: Optional[int],
+    queries: range,
+    keys: range,
+    device: torch.device,
+    *,
+    window: Optional[int],
     document_ids_BS: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """Boolean [B or 1, 1, len(queries), len(keys)] mask (True = visible) for absolute query positions
@@ -51,8 +55,14 @@ def _repeat_kv(x_BSKD: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 @torch.no_grad()
 def chunked_max_logits(
-    q_BSHD: torch.Tensor, k_BSKD: torch.Tensor, *, scale: float, window: Optional[int],
-    document_ids: Optional[torch.Tensor], block_elems: int = 1 << 27, query_chunk: int = 1024,
+    q_BSHD: torch.Tensor,
+    k_BSKD: torch.Tensor,
+    *,
+    scale: float,
+    window: Optional[int],
+    document_ids: Optional[torch.Tensor],
+    block_elems: int = 1 << 27,
+    query_chunk: int = 1024,
 ) -> torch.Tensor:
     """Per-query-head max of the scaled logits over visible pairs, fp32 [Hq], as a side computation:
     query chunks x key chunks of at most `block_elems` logits each (never [B, H, S, S] at once), keys
@@ -69,8 +79,9 @@ def chunked_max_logits(
         for j0 in range(k_lo, i1, ck):
             j1 = min(i1, j0 + ck)
             logits = (q_BHSD[:, :, i0:i1] @ k_BHSD[:, :, j0:j1].transpose(-1, -2)).float() * scale
-            mask = visibility_mask(range(i0, i1), range(j0, j1), q_BSHD.device, window=window,
-                                   document_ids_BS=document_ids)
+            mask = visibility_mask(
+                range(i0, i1), range(j0, j1), q_BSHD.device, window=window, document_ids_BS=document_ids
+            )
             best = torch.maximum(best, logits.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
     return best
 
@@ -110,7 +121,7 @@ def sdpa_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, recor
         # The fused kernels take bf16/fp16 only; fp32 on CUDA (mixed_precision_param = "float32") keeps
         # torch's full choice, which includes the math kernel.
         fused_only = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-        with (_fused_sdpa_only() if fused_only else contextlib.nullcontext()):
+        with _fused_sdpa_only() if fused_only else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         S = q.shape[2]
@@ -149,8 +160,9 @@ def _flex_block_mask(document_ids, window, B, S, device):
 
     # Long CUDA sequences: build the mask with torch.compile instead of materialising [B, S, S] booleans.
     compile_mask = torch.device(device).type == "cuda" and S >= 32768
-    block_mask = create_block_mask(mask_mod, B if document_ids is not None else None, None, S, S, device=device,
-                                   _compile=compile_mask)
+    block_mask = create_block_mask(
+        mask_mod, B if document_ids is not None else None, None, S, S, device=device, _compile=compile_mask
+    )
     _flex_mask_cache["masks"][key] = block_mask
     return block_mask
 
@@ -180,10 +192,24 @@ def auto_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, recor
     """CUDA with a window or documents -> FlexAttention (SDPA would fall back to its math kernel for
     qk 192 / v 128 with a mask); otherwise SDPA (cuDNN for plain causal on GPU; CPU kernels on CPU)."""
     if q_BSHD.is_cuda and (window is not None or document_ids is not None):
-        return flex_attention_kernel(q_BSHD, k_BSKD, v_BSKE, scale=scale, window=window,
-                                     document_ids=document_ids, record_max_logits=record_max_logits)
-    return sdpa_attention(q_BSHD, k_BSKD, v_BSKE, scale=scale, window=window, document_ids=document_ids,
-                          record_max_logits=record_max_logits)
+        return flex_attention_kernel(
+            q_BSHD,
+            k_BSKD,
+            v_BSKE,
+            scale=scale,
+            window=window,
+            document_ids=document_ids,
+            record_max_logits=record_max_logits,
+        )
+    return sdpa_attention(
+        q_BSHD,
+        k_BSKD,
+        v_BSKE,
+        scale=scale,
+        window=window,
+        document_ids=document_ids,
+        record_max_logits=record_max_logits,
+    )
 
 
 ATTENTION_BACKENDS: dict[str, AttentionKernel] = {

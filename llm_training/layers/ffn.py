@@ -22,8 +22,9 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.act_fn = PolyNorm(args.polynorm_init_weight, args.polynorm_eps, args.polynorm_sigmoid_weight,
-                               args.polynorm_output_scale)
+        self.act_fn = PolyNorm(
+            args.polynorm_init_weight, args.polynorm_eps, args.polynorm_sigmoid_weight, args.polynorm_output_scale
+        )
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.gate_proj, self.up_proj, self.down_proj):

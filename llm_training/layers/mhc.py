@@ -39,8 +39,15 @@ def sinkhorn(logits_NN: torch.Tensor, iters: int) -> torch.Tensor:
 class MHC(nn.Module):
     """Coefficients (h_pre, h_post, H_res) from the streams, the collapse, and the stream update."""
 
-    def __init__(self, hidden_size: int, n_streams: int, sinkhorn_iters: int, eps: float, identity_init: bool,
-                 h_post_alpha: float):
+    def __init__(
+        self,
+        hidden_size: int,
+        n_streams: int,
+        sinkhorn_iters: int,
+        eps: float,
+        identity_init: bool,
+        h_post_alpha: float,
+    ):
         super().__init__()
         n, nh = n_streams, n_streams * hidden_size
         self.n, self.sinkhorn_iters, self.identity_init = n, sinkhorn_iters, identity_init
@@ -104,8 +111,9 @@ class MHC(nn.Module):
         return _CollapseStreams.apply(x_BSnH, h_pre_BSn)
 
     @staticmethod
-    def update(x_BSnH: torch.Tensor, h_res_BSnn: torch.Tensor, h_post_BSn: torch.Tensor,
-               y_BSH: torch.Tensor) -> torch.Tensor:
+    def update(
+        x_BSnH: torch.Tensor, h_res_BSnn: torch.Tensor, h_post_BSn: torch.Tensor, y_BSH: torch.Tensor
+    ) -> torch.Tensor:
         """X'[i] = sum_j H_res[i, j] X[j] + h_post[i] y, fp32 inside, X's dtype out."""
         return _MixStreams.apply(x_BSnH, h_res_BSnn, h_post_BSn, y_BSH)
 

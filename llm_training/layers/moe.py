@@ -109,8 +109,14 @@ class GroupedExperts(nn.Module):
         self.num_experts, self.intermediate_size, self.hidden_clamp = E, I, args.hidden_clamp
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
-        self.act_fn = GroupedPolyNorm(E, args.polynorm_init_weight, args.polynorm_eps, args.polynorm_sigmoid_weight,
-                                      args.polynorm_output_scale, args.polynorm_bias_clamp)
+        self.act_fn = GroupedPolyNorm(
+            E,
+            args.polynorm_init_weight,
+            args.polynorm_eps,
+            args.polynorm_sigmoid_weight,
+            args.polynorm_output_scale,
+            args.polynorm_bias_clamp,
+        )
         self.use_grouped_mm = True  # falls back to the loop by itself when grouped_mm cannot run
 
     def init_weights(self, init_std: float) -> None:
@@ -118,8 +124,9 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.down_proj, mean=0.0, std=init_std)
         self.act_fn.init_weights()
 
-    def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor,
-                group_multiple: Optional[int] = None) -> torch.Tensor:
+    def forward(
+        self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor, group_multiple: Optional[int] = None
+    ) -> torch.Tensor:
         """x_NH: rows sorted by expert, expert e owning tokens_per_expert[e] consecutive rows.
 
         On the grouped-GEMM path each expert's row group is padded with zero rows to a multiple of
@@ -171,7 +178,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args)
         self.shared_experts = (
             FeedForward(args.hidden_size, args.moe_intermediate_size * args.num_shared_experts, args)
-            if args.num_shared_experts > 0 else None
+            if args.num_shared_experts > 0
+            else None
         )
 
     def init_weights(self, init_std: float, buffer_device: Optional[torch.device] = None) -> None:
@@ -194,7 +202,8 @@ class MoE(nn.Module):
         order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert, token order kept inside
         token_of_row = order // self.top_k
         tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long, device=flat_ids.device).scatter_add_(
-            0, flat_ids, torch.ones_like(flat_ids))  # static shape (compile-friendly), unlike bincount
+            0, flat_ids, torch.ones_like(flat_ids)
+        )  # static shape (compile-friendly), unlike bincount
         x_rows = x_TH[token_of_row]
         row_weight = weights_TK.reshape(-1)[order]  # fp32 [T*K]
         if self.score_before_experts:
@@ -210,19 +219,22 @@ class MoE(nn.Module):
         balance = None
         if self.aux_loss_coef > 0:
             balance = self.aux_loss_coef * sequence_balance_loss(
-                scores_TE.view(B, S, -1), expert_ids_TK.view(B, S, -1), self.num_experts, self.top_k)
+                scores_TE.view(B, S, -1), expert_ids_TK.view(B, S, -1), self.num_experts, self.top_k
+            )
         stats = RouterStats(tokens_per_expert.detach().float(), balance)
         return out.view(B, S, H), stats
 
 
-def sequence_balance_loss(scores_BSE: torch.Tensor, expert_ids_BSK: torch.Tensor, num_experts: int,
-                          top_k: int) -> torch.Tensor:
+def sequence_balance_loss(
+    scores_BSE: torch.Tensor, expert_ids_BSK: torch.Tensor, num_experts: int, top_k: int
+) -> torch.Tensor:
     """DeepSeek-V3 sequence-wise balance loss (without its alpha), averaged over the B rows:
     sum_i f_i P_i with f_i = E / (K S) * #{t: i in TopK(t)} (no grad) and P_i = mean_t s_ti / sum_j s_tj."""
     B, S, _ = scores_BSE.shape
     counts = torch.zeros(B, num_experts, device=scores_BSE.device, dtype=torch.float32)
-    counts.scatter_add_(1, expert_ids_BSK.reshape(B, -1),
-                        torch.ones(B, S * top_k, device=scores_BSE.device, dtype=torch.float32))
+    counts.scatter_add_(
+        1, expert_ids_BSK.reshape(B, -1), torch.ones(B, S * top_k, device=scores_BSE.device, dtype=torch.float32)
+    )
     f = counts * (num_experts / (top_k * S))
     p = (scores_BSE / scores_BSE.sum(dim=-1, keepdim=True)).mean(dim=1)
     return (f.detach() * p).sum(dim=-1).mean()
@@ -236,8 +248,10 @@ def update_expert_bias(model: nn.Module, tokens_per_expert_list, coeff: float, p
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     counts_list = list(tokens_per_expert_list)
     if len(moes) != len(counts_list):
-        raise ValueError(f"update_expert_bias: model has {len(moes)} MoE layers but got {len(counts_list)} "
-                         "token-count tensors (pass [s.tokens_per_expert for s in out.router_stats])")
+        raise ValueError(
+            f"update_expert_bias: model has {len(moes)} MoE layers but got {len(counts_list)} "
+            "token-count tensors (pass [s.tokens_per_expert for s in out.router_stats])"
+        )
     if not moes:
         return
     counts = torch.stack([c.detach().float().to(moes[0].expert_bias.device) for c in counts_list])  # [L, E]

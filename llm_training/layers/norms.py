@@ -43,16 +43,30 @@ class PolyNorm(nn.Module):
         nn.init.zeros_(self.bias)
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return fused_mul_poly_norm(gate, up, self.weight.float(), self.bias.float(), eps=self.eps,
-                                   sigmoid_weight=self.sigmoid_weight, output_scale=self.output_scale)
+        return fused_mul_poly_norm(
+            gate,
+            up,
+            self.weight.float(),
+            self.bias.float(),
+            eps=self.eps,
+            sigmoid_weight=self.sigmoid_weight,
+            output_scale=self.output_scale,
+        )
 
 
 class GroupedPolyNorm(nn.Module):
     """Per-expert PolyNorm fused with the up product, for rows sorted by expert (`offs` = cumulative
     row ends, int32). The routed experts' bias is clamped to +-bias_clamp in the forward."""
 
-    def __init__(self, num_experts: int, init_weight: float, eps: float, sigmoid_weight: bool,
-                 output_scale: float, bias_clamp: float | None):
+    def __init__(
+        self,
+        num_experts: int,
+        init_weight: float,
+        eps: float,
+        sigmoid_weight: bool,
+        output_scale: float,
+        bias_clamp: float | None,
+    ):
         super().__init__()
         self.init_weight, self.eps = init_weight, eps
         self.sigmoid_weight, self.output_scale, self.bias_clamp = sigmoid_weight, output_scale, bias_clamp
@@ -64,6 +78,14 @@ class GroupedPolyNorm(nn.Module):
         nn.init.zeros_(self.bias)
 
     def forward(self, gate_NI: torch.Tensor, up_NI: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        return grouped_poly_norm(gate_NI, self.weight.float(), self.bias.float(), offs_E, eps=self.eps,
-                                 sigmoid_weight=self.sigmoid_weight, bias_clamp=self.bias_clamp, up=up_NI,
-                                 output_scale=self.output_scale)
+        return grouped_poly_norm(
+            gate_NI,
+            self.weight.float(),
+            self.bias.float(),
+            offs_E,
+            eps=self.eps,
+            sigmoid_weight=self.sigmoid_weight,
+            bias_clamp=self.bias_clamp,
+            up=up_NI,
+            output_scale=self.output_scale,
+        )

@@ -93,8 +93,9 @@ def build_rotary_embeddings(args) -> tuple[RotaryEmbedding, RotaryEmbedding]:
     """(full-layer RoPE, sliding-layer RoPE) for a Motif3ModelArgs."""
     d = args.qk_rope_head_dim
     if args.yarn_active:
-        full = yarn_inv_freq(d, args.rope_theta, args.rope_factor, args.beta_fast, args.beta_slow,
-                             args.original_seq_len)
+        full = yarn_inv_freq(
+            d, args.rope_theta, args.rope_factor, args.beta_fast, args.beta_slow, args.original_seq_len
+        )
     else:
         full = plain_inv_freq(d, args.rope_theta)
     sliding = plain_inv_freq(d, args.swa_rope_theta)

@@ -40,25 +40,40 @@ class TransformerBlock(nn.Module):
     """One trunk block. forward(x, position_ids, document_ids) -> (x, RouterStats or None), where x is the
     stream tensor [B, S, n, H] with mHC or the plain residual [B, S, H] without."""
 
-    def __init__(self, args: Motif3ModelArgs, layer_idx: int, rope_full: RotaryEmbedding,
-                 rope_sliding: RotaryEmbedding, attention_backend: str = "auto"):
+    def __init__(
+        self,
+        args: Motif3ModelArgs,
+        layer_idx: int,
+        rope_full: RotaryEmbedding,
+        rope_sliding: RotaryEmbedding,
+        attention_backend: str = "auto",
+    ):
         super().__init__()
         H, eps = args.hidden_size, args.rms_norm_eps
         self.layer_idx, self.init_std = layer_idx, args.initializer_range
         sliding = is_sliding_layer(layer_idx, args)
         self.input_layernorm = RMSNorm(H, eps)
-        self.self_attn = GDLAttention(args, sliding=sliding, softmax_scale=args.softmax_scale(layer_idx),
-                                      rope=rope_sliding if sliding else rope_full,
-                                      attention_backend=attention_backend)
+        self.self_attn = GDLAttention(
+            args,
+            sliding=sliding,
+            softmax_scale=args.softmax_scale(layer_idx),
+            rope=rope_sliding if sliding else rope_full,
+            attention_backend=attention_backend,
+        )
         self.post_attention_layernorm = RMSNorm(H, eps)
         if is_moe_layer(layer_idx, args):
             self.moe, self.mlp = MoE(args), None
         else:
             self.moe, self.mlp = None, FeedForward(H, args.intermediate_size, args)
         if args.mhc_enabled:
-            mhc = dict(hidden_size=H, n_streams=args.mhc_expansion_rate, sinkhorn_iters=args.mhc_sinkhorn_iters,
-                       eps=args.mhc_eps, identity_init=args.mhc_identity_init,
-                       h_post_alpha=args.mhc_h_post_alpha_start)
+            mhc = dict(
+                hidden_size=H,
+                n_streams=args.mhc_expansion_rate,
+                sinkhorn_iters=args.mhc_sinkhorn_iters,
+                eps=args.mhc_eps,
+                identity_init=args.mhc_identity_init,
+                h_post_alpha=args.mhc_h_post_alpha_start,
+            )
             self.mhc_attn, self.mhc_ffn = MHC(**mhc), MHC(**mhc)
         else:
             self.mhc_attn = self.mhc_ffn = None
@@ -80,8 +95,7 @@ class TransformerBlock(nn.Module):
             return self.moe(x_BSH)
         return self.mlp(x_BSH), None
 
-    def forward(self, x: torch.Tensor, position_ids_BS: torch.Tensor,
-                document_ids_BS: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, position_ids_BS: torch.Tensor, document_ids_BS: Optional[torch.Tensor] = None):
         if self.mhc_attn is None:
             x = x + self.self_attn(self.input_layernorm(x), position_ids_BS, document_ids_BS)
             y, stats = self._ffn(self.post_attention_layernorm(x))
@@ -107,8 +121,7 @@ class Motif3Model(nn.Module):
         rope_full, rope_sliding = build_rotary_embeddings(args)
         self.embed_tokens = nn.Embedding(args.vocab_size, H)
         self.layers = nn.ModuleList(
-            TransformerBlock(args, i, rope_full, rope_sliding, attention_backend)
-            for i in range(args.num_hidden_layers)
+            TransformerBlock(args, i, rope_full, rope_sliding, attention_backend) for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(H, args.rms_norm_eps)
         self.lm_head = nn.Linear(H, args.vocab_size, bias=False)
@@ -148,8 +161,13 @@ class Motif3Model(nn.Module):
                 module.h_post_alpha = alpha
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                document_ids: Optional[torch.Tensor] = None, return_hidden: bool = False) -> Motif3Output:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
+        return_hidden: bool = False,
+    ) -> Motif3Output:
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)

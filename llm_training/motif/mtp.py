@@ -32,8 +32,13 @@ class MTPModule(nn.Module):
         self.input_proj = nn.Linear(2 * H, H, bias=False)
         self.input_layernorm = RMSNorm(H, eps)
         # Sliding layers never get the YaRN mscale^2 (§0.1), so the scale is the plain head_dim^-0.5.
-        self.self_attn = GDLAttention(args, sliding=True, softmax_scale=args.head_dim**-0.5, rope=rope_sliding,
-                                      attention_backend=attention_backend)
+        self.self_attn = GDLAttention(
+            args,
+            sliding=True,
+            softmax_scale=args.head_dim**-0.5,
+            rope=rope_sliding,
+            attention_backend=attention_backend,
+        )
         self.post_attention_layernorm = RMSNorm(H, eps)
         self.mlp = FeedForward(H, args.intermediate_size, args)
         self.final_layernorm = RMSNorm(H, eps)
@@ -47,8 +52,13 @@ class MTPModule(nn.Module):
         self.mlp.init_weights(self.init_std)
         self.final_layernorm.init_weights()
 
-    def forward(self, hidden_BSH: torch.Tensor, embedded_BSH: torch.Tensor, position_ids_BS: torch.Tensor,
-                document_ids_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_BSH: torch.Tensor,
+        embedded_BSH: torch.Tensor,
+        position_ids_BS: torch.Tensor,
+        document_ids_BS: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """hidden: the previous hidden at position i; embedded: embed(t_{i+k+1}). Returns final-normed [B, S, H]."""
         x = self.input_proj(torch.cat([hidden_BSH, self.embed_norm(embedded_BSH)], dim=-1))
         x = x + self.self_attn(self.input_layernorm(x), position_ids_BS, document_ids_BS)

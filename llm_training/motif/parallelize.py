@@ -165,7 +165,9 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
     # averaging would scale the sharded gradients by 1/dp against the replicated ones.
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            if not (hasattr(module, "set_gradient_divide_factor") and hasattr(module, "set_force_sum_reduction_for_comms")):
+            if not (
+                hasattr(module, "set_gradient_divide_factor") and hasattr(module, "set_force_sum_reduction_for_comms")
+            ):
                 raise RuntimeError(
                     f"torch {torch.__version__}: FSDP2 lacks set_gradient_divide_factor / "
                     "set_force_sum_reduction_for_comms, which llm_training needs for summed gradients (torch >= 2.11)"

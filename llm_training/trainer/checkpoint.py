@@ -125,9 +125,7 @@ class CheckpointManager:
         self.async_mode = async_mode
         self._pending = None  # (future, tmp_dir, step) of an async save not yet published
         # Background saves must not share the default group with the training collectives.
-        self._async_group = (
-            dist.new_group(backend="gloo") if async_mode == "async" and dist.is_initialized() else None
-        )
+        self._async_group = dist.new_group(backend="gloo") if async_mode == "async" and dist.is_initialized() else None
         if _rank() == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             for d in self.folder.iterdir():

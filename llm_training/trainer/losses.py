@@ -150,7 +150,9 @@ def shift_labels(labels_BS: torch.Tensor, shift: int, document_ids_BS: torch.Ten
     return out
 
 
-def mtp_labels(labels_BS: torch.Tensor, num_mtp: int, document_ids_BS: torch.Tensor | None = None) -> list[torch.Tensor]:
+def mtp_labels(
+    labels_BS: torch.Tensor, num_mtp: int, document_ids_BS: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """Targets of MTP module k (0-based): the next-token labels shifted by k + 1 more positions."""
     return [shift_labels(labels_BS, k + 1, document_ids_BS) for k in range(num_mtp)]
 
@@ -211,4 +213,3 @@ def micro_batch_loss(
     if balance.requires_grad:
         total = total + balance
     return StepLoss(total=total, ce=ce.detach(), mtp=mtp.detach(), balance=balance.detach())
-

@@ -25,7 +25,14 @@ logger = logging.getLogger(__name__)
 
 MFU_CONVENTIONS = ("megatron", "torchtitan")
 # Dense bf16 peak FLOP/s per GPU (no sparsity), matched on the device name.
-_PEAK_BF16 = (("B200", 2250e12), ("B100", 1750e12), ("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("A100", 312e12))
+_PEAK_BF16 = (
+    ("B200", 2250e12),
+    ("B100", 1750e12),
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+)
 
 
 def peak_bf16_flops(device: torch.device) -> float | None:

@@ -118,7 +118,9 @@ class _StopSignal:
             signal.raise_signal(signum)
             return
         self.received = signum
-        logger.warning("received %s: finishing this step, saving a checkpoint, then exiting", signal.Signals(signum).name)
+        logger.warning(
+            "received %s: finishing this step, saving a checkpoint, then exiting", signal.Signals(signum).name
+        )
 
     def restore(self) -> None:
         for sig, old in self._old.items():
@@ -225,7 +227,9 @@ class Trainer:
             "model": ModelState(self.model),
             "optimizer": self.optimizers,
             "lr_scheduler": self.lr_scheduler,
-            f"dataloader_dp_rank_{self.dp_rank}": BlobState(self.dataloader.state_dict, self.dataloader.load_state_dict),
+            f"dataloader_dp_rank_{self.dp_rank}": BlobState(
+                self.dataloader.state_dict, self.dataloader.load_state_dict
+            ),
             f"rng_rank_{self.rank}": BlobState(rng_state, set_rng_state),
             "train_state": self.train_state,
         }
@@ -255,7 +259,8 @@ class Trainer:
                 "[optimizer] lr = %g differs from the resumed checkpoint's %s; the checkpoint's value is used "
                 "(the optimizer state is restored on resume). Start a new run, or load the weights with "
                 "[checkpoint] initial_load_path, to train with another lr.",
-                configured, ", ".join(f"{lr:g}" for lr in sorted(restored)),
+                configured,
+                ", ".join(f"{lr:g}" for lr in sorted(restored)),
             )
 
     def _save(self, blocking: bool = False) -> None:
@@ -274,9 +279,7 @@ class Trainer:
             # step count: it is checkpointed, so a resumed run sees the same schedule as an uninterrupted one.
             self.model.set_mhc_progress(self.lr_scheduler.last_step / max(t.steps, 1))
         n_mtp = len(self.model.mtp_layers)
-        normalisers = sum(
-            count_labelled_tokens(mb["labels"], n_mtp, mb.get("document_ids")) for mb in micro_batches
-        )
+        normalisers = sum(count_labelled_tokens(mb["labels"], n_mtp, mb.get("document_ids")) for mb in micro_batches)
         normalisers = _all_reduce(normalisers.to(self.device))
         balance_scale = 1.0 / (len(micro_batches) * self.dp_size)
         parts = torch.zeros(4, dtype=torch.float64, device=self.device)  # total, ce, mtp, balance
@@ -287,14 +290,24 @@ class Trainer:
             mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
             out = self.model(mb["input_ids"], mb["position_ids"], mb["document_ids"], return_hidden=True)
             loss = micro_batch_loss(
-                out, self.model.lm_head.weight, mb["labels"], normalisers, t.mtp_loss_weight, balance_scale,
-                compiled=self.compile_loss, document_ids_BS=mb.get("document_ids"),
+                out,
+                self.model.lm_head.weight,
+                mb["labels"],
+                normalisers,
+                t.mtp_loss_weight,
+                balance_scale,
+                compiled=self.compile_loss,
+                document_ids_BS=mb.get("document_ids"),
             )
             counts = [s.tokens_per_expert for s in out.router_stats]
-            tokens_per_expert = counts if tokens_per_expert is None else [a + b for a, b in zip(tokens_per_expert, counts)]
+            tokens_per_expert = (
+                counts if tokens_per_expert is None else [a + b for a, b in zip(tokens_per_expert, counts)]
+            )
             for i, m in enumerate(attn):
                 if m.max_logits is not None:
-                    max_logits[i] = m.max_logits if max_logits[i] is None else torch.maximum(max_logits[i], m.max_logits)
+                    max_logits[i] = (
+                        m.max_logits if max_logits[i] is None else torch.maximum(max_logits[i], m.max_logits)
+                    )
             loss.total.backward()
             parts += torch.stack([loss.total.detach(), loss.ce, loss.mtp, loss.balance]).double()
         for m, ml in zip(attn, max_logits):  # the max over all micro-batches is what QK-clip must see
@@ -322,13 +335,17 @@ class Trainer:
             if self.qk_clip_threshold > 0:
                 from llm_training.trainer.optim import apply_qk_clip
 
-                clipped = apply_qk_clip(self.model, self.qk_clip_threshold, dist.group.WORLD if dist.is_initialized() else None)
+                clipped = apply_qk_clip(
+                    self.model, self.qk_clip_threshold, dist.group.WORLD if dist.is_initialized() else None
+                )
                 qk_events = clipped.num_clipped_heads
             if tokens_per_expert:
                 from llm_training.layers.moe import update_expert_bias
 
                 group = dist.group.WORLD if dist.is_initialized() else None
-                update_expert_bias(self.model, tokens_per_expert, self.model_args.load_balance_coeff, process_group=group)
+                update_expert_bias(
+                    self.model, tokens_per_expert, self.model_args.load_balance_coeff, process_group=group
+                )
             self.lr_scheduler.step()
             self.optimizers.zero_grad()
         global_tpe = None
@@ -390,7 +407,9 @@ class Trainer:
                 try:
                     rec = self.train_step(micro_batches)
                 except torch.OutOfMemoryError as e:
-                    raise torch.OutOfMemoryError(f"out of memory at step {step}: {OOM_HINT}. Original error: {e}") from e
+                    raise torch.OutOfMemoryError(
+                        f"out of memory at step {step}: {OOM_HINT}. Original error: {e}"
+                    ) from e
                 rec.step_time_s = time.perf_counter() - t0
                 losses[step] = float("nan") if rec.skipped else rec.loss
                 metrics.record(rec)
@@ -403,7 +422,8 @@ class Trainer:
                 if self._stop_requested:
                     logger.warning(
                         "stop requested by signal: %s at step %d and exiting",
-                        "saving a checkpoint" if self.checkpointer else "checkpointing is disabled, not saving", step,
+                        "saving a checkpoint" if self.checkpointer else "checkpointing is disabled, not saving",
+                        step,
                     )
                     self._save(blocking=True)
                     break

@@ -30,7 +30,9 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 class OptimizersContainer:
     """Holds `muon` (None when everything is AdamW) and `adamw` for one model."""
 
-    def __init__(self, model: nn.Module, muon: Muon | None, adamw: torch.optim.Optimizer | None, grouping: ParamGrouping):
+    def __init__(
+        self, model: nn.Module, muon: Muon | None, adamw: torch.optim.Optimizer | None, grouping: ParamGrouping
+    ):
         self.model = model
         self.muon = muon
         self.adamw = adamw

@@ -44,7 +44,9 @@ class QKLayout:
 
     def __post_init__(self) -> None:
         if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
-            raise ValueError(f"QKLayout: n_heads={self.n_heads} must be a positive multiple of n_kv_heads={self.n_kv_heads}")
+            raise ValueError(
+                f"QKLayout: n_heads={self.n_heads} must be a positive multiple of n_kv_heads={self.n_kv_heads}"
+            )
 
 
 @dataclass
@@ -65,9 +67,7 @@ def qk_row_scales(max_logits: torch.Tensor, layout: QKLayout, threshold: float) 
     gmin = gamma.view(L.n_kv_heads, -1).amin(dim=1)  # [n_kv]
     gmin_per_head = gmin.repeat_interleave(L.n_heads // L.n_kv_heads)  # [n_h]
     q_nope = gamma / gmin_per_head.sqrt()
-    q_scale = torch.cat(
-        [q_nope[:, None].expand(-1, L.d_nope), gamma[:, None].expand(-1, L.d_rope)], dim=1
-    ).reshape(-1)
+    q_scale = torch.cat([q_nope[:, None].expand(-1, L.d_nope), gamma[:, None].expand(-1, L.d_rope)], dim=1).reshape(-1)
     k_scale = torch.cat(
         [gmin.sqrt()[:, None].expand(-1, L.d_nope), torch.ones(L.n_kv_heads, L.d_v, dtype=torch.float64)], dim=1
     ).reshape(-1)
@@ -93,9 +93,7 @@ def qk_clip_(
     `max_logits` [n_h] must already be reduced (MAX) over all data-parallel ranks."""
     L = layout
     if wq_b.shape[0] != L.n_heads * (L.d_nope + L.d_rope) or wkv_b.shape[0] != L.n_kv_heads * (L.d_nope + L.d_v):
-        raise ValueError(
-            f"qk_clip: wq_b {tuple(wq_b.shape)} / wkv_b {tuple(wkv_b.shape)} do not match layout {L}"
-        )
+        raise ValueError(f"qk_clip: wq_b {tuple(wq_b.shape)} / wkv_b {tuple(wkv_b.shape)} do not match layout {L}")
     if not threshold > 0:
         raise ValueError(f"qk_clip: threshold must be > 0, got {threshold}")
     logits = max_logits.detach().float()
@@ -111,4 +109,3 @@ def qk_clip_(
     _scale_rows_(wq_b, q_scale)
     _scale_rows_(wkv_b, k_scale)
     return stats
-

@@ -20,8 +20,13 @@ def _named(**shapes):
 
 
 def test_routes_by_first_matching_rule_and_reports_counts():
-    named = _named(embed__weight=(10, 4), l0__norm__weight=(4,), l0__proj__weight=(6, 4),
-                   experts__gate_up=(3, 8, 4), experts__down=(3, 4, 4))
+    named = _named(
+        embed__weight=(10, 4),
+        l0__norm__weight=(4,),
+        l0__proj__weight=(6, 4),
+        experts__gate_up=(3, 8, 4),
+        experts__down=(3, 4, 4),
+    )
     g = group_parameters(named, RULES)
     assert g.names("muon") == ["l0.proj.weight", "experts.gate_up", "experts.down"]
     assert g.names("adamw_decay") == ["embed.weight"]

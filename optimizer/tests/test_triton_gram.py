@@ -17,7 +17,7 @@ pytestmark = [
 def test_gram_matches_torch(shape, dtype):
     x = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0)).to(dtype)
     got = triton_gram.gram_triton(x)
-    ref = (x.double() @ x.double().mT)
+    ref = x.double() @ x.double().mT
     assert got.dtype == dtype and got.shape == ref.shape
     assert torch.equal(got, got.mT)  # mirrored exactly
     k = shape[-1]

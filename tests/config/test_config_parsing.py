@@ -35,7 +35,7 @@ def test_defaults_without_arguments():
 
 
 def test_toml_overrides_defaults_and_cli_overrides_toml(tmp_path):
-    path = write(tmp_path, '[training]\nsteps = 50\nseq_len = 128\n[optimizer]\nlr = 0.01\n')
+    path = write(tmp_path, "[training]\nsteps = 50\nseq_len = 128\n[optimizer]\nlr = 0.01\n")
     c = parse("--job.config_file", str(path), "--training.steps=70")
     assert c.training.steps == 70  # CLI wins over TOML
     assert c.training.seq_len == 128  # TOML wins over the default
@@ -52,12 +52,16 @@ def test_config_file_position_does_not_matter(tmp_path):
 
 def test_cli_value_types():
     c = parse(
-        "--training.steps", "40",
+        "--training.steps",
+        "40",
         "--optimizer.lr=3e-4",
         "--optimizer.adamw_betas=0.8,0.99",
-        "--compile.components", "model",
-        "--parallelism.data_parallel_shard_degree", "-1",
-        "--job.description", "hello world",
+        "--compile.components",
+        "model",
+        "--parallelism.data_parallel_shard_degree",
+        "-1",
+        "--job.description",
+        "hello world",
         "--training.max_norm=2",
     )
     assert c.training.steps == 40 and isinstance(c.training.steps, int)
@@ -186,8 +190,13 @@ def test_help_lists_keys_and_exits_zero(capsys):
 # ---------------------------------------------------------------------- resolved-config dump
 def test_resolved_config_round_trip(tmp_path):
     c = parse(
-        "--training.steps=77", "--optimizer.lr=1.5e-4", "--job.description", 'quote " and \\ back',
-        "--compile.components=loss", "--training.deterministic", "--optimizer.adamw_eps=1e-10",
+        "--training.steps=77",
+        "--optimizer.lr=1.5e-4",
+        "--job.description",
+        'quote " and \\ back',
+        "--compile.components=loss",
+        "--training.deterministic",
+        "--optimizer.adamw_eps=1e-10",
     )
     text = to_toml(c)
     tomllib.loads(text)  # valid TOML
@@ -205,6 +214,6 @@ def test_toml_writer_values():
     assert tomllib.loads("x = " + toml_value(1e-8))["x"] == 1e-8
     assert tomllib.loads("x = " + toml_value(3.0))["x"] == 3.0
     assert tomllib.loads("x = " + toml_value(float("inf")))["x"] == float("inf")
-    assert tomllib.loads("x = " + toml_value("a\nb\t\"c\"é"))["x"] == "a\nb\t\"c\"é"
+    assert tomllib.loads("x = " + toml_value('a\nb\t"c"é'))["x"] == 'a\nb\t"c"é'
     assert tomllib.loads("x = " + toml_value([1, 2]))["x"] == [1, 2]
     assert toml_value(True) == "true" and toml_value(-3) == "-3"

@@ -19,7 +19,7 @@ BAD_LINES = {  # line content -> words the reason must contain
     '{"conversations": [{"role": "user", "content": 5}, {"role": "assistant", "content": "y"}]}': "content is int",
     '{"conversations": [{"role": "user", "content": "only a question"}]}': "no assistant turn",
     '{"conversations": "not a list"}': "expected a list",
-    '[1, 2]': "expected an object",
+    "[1, 2]": "expected an object",
     '{"conversations": []}': "conversations is empty",
 }
 

@@ -15,8 +15,13 @@ CASES = {
         ("user", "Count from 1 to 3."), ("assistant", "1, 2, 3."), ("user", "And back?"), ("assistant", "3, 2, 1.")
     ),
     "three_assistant_turns_with_system": chat(
-        ("system", "Be brief."), ("user", "a"), ("assistant", "first"), ("user", "b"), ("assistant", "second"),
-        ("user", "c"), ("assistant", "third and last"),
+        ("system", "Be brief."),
+        ("user", "a"),
+        ("assistant", "first"),
+        ("user", "b"),
+        ("assistant", "second"),
+        ("user", "c"),
+        ("assistant", "third and last"),
     ),
     "unicode": chat(("user", "Übersetze: 猫 🐈"), ("assistant", "Katze — ñandú ✓ 😀")),
     "empty_user_content": chat(("user", ""), ("assistant", "nothing was asked")),
@@ -65,7 +70,10 @@ def test_truncation_keeps_target_and_cuts_prompt_start(hf_tokenizer, raw_tokeniz
     expected = ref_labels[start : start + seq_len]
     expected[-1] = IGNORE
     assert doc.labels == expected
-    assert raw_tokenizer.decode([x for x in doc.labels if x != IGNORE], skip_special_tokens=False) == "short answer<|im_end|>"
+    assert (
+        raw_tokenizer.decode([x for x in doc.labels if x != IGNORE], skip_special_tokens=False)
+        == "short answer<|im_end|>"
+    )
     assert fit_document(tokenized, seq_len, "drop") == (None, True)
 
 

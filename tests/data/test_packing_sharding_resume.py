@@ -14,7 +14,12 @@ from data_helpers import IGNORE, chat, make_loader, numbered_samples, reference_
 def _check_row_structure(batch: dict, pad_id: int) -> None:
     """Independent per-row checks: positions restart per document, labels -100 at every document's last token
     and on padding, MTP targets never cross documents."""
-    ids_BS, labels_BS, pos_BS, doc_BS = batch["input_ids"], batch["labels"], batch["position_ids"], batch["document_ids"]
+    ids_BS, labels_BS, pos_BS, doc_BS = (
+        batch["input_ids"],
+        batch["labels"],
+        batch["position_ids"],
+        batch["document_ids"],
+    )
     assert ids_BS.dtype == labels_BS.dtype == pos_BS.dtype == torch.long
     B, S = ids_BS.shape
     for b in range(B):
@@ -46,7 +51,10 @@ def test_pack_rows_hold_whole_documents_first_fit(tmp_path, hf_tokenizer, raw_to
         emitted += split_documents(batch)
     waiting = [(d.input_ids, d.labels) for row in [*loader.packer.open_rows, *loader.ready_rows] for d in row]
     # every document consumed so far is in an emitted row or still waiting, whole, exactly once
-    consumed = [reference_document(raw_tokenizer, samples[i % 40]["conversations"]) for i in range(loader.counters["records_seen"])]
+    consumed = [
+        reference_document(raw_tokenizer, samples[i % 40]["conversations"])
+        for i in range(loader.counters["records_seen"])
+    ]
     assert sorted(emitted + waiting) == sorted(consumed)
     # first-fit fills the rows well: little padding in the emitted rows
     assert sum(len(ids) for ids, _ in emitted) / (12 * 64) > 0.8
@@ -55,8 +63,17 @@ def test_pack_rows_hold_whole_documents_first_fit(tmp_path, hf_tokenizer, raw_to
 
 def _docs_of_rank(path, hf_tokenizer, rank, world, count, shuffle):
     # "pad" keeps the stream order in the rows, so the first `count` documents are epoch 0's shard
-    loader = make_loader(path, hf_tokenizer, seq_len=96, local_batch_size=2, shuffle=shuffle, shuffle_seed=7,
-                         dp_rank=rank, dp_world_size=world, packing="pad")
+    loader = make_loader(
+        path,
+        hf_tokenizer,
+        seq_len=96,
+        local_batch_size=2,
+        shuffle=shuffle,
+        shuffle_seed=7,
+        dp_rank=rank,
+        dp_world_size=world,
+        packing="pad",
+    )
     docs = []
     while len(docs) < count:
         docs += split_documents(loader.next_batch())
@@ -100,8 +117,9 @@ def _long_and_short_samples():
 @pytest.mark.parametrize("packing", ["pack", "pad"])
 def test_resume_gives_the_uninterrupted_stream(packing, tmp_path, hf_tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", _long_and_short_samples())
-    kwargs = dict(seq_len=48, local_batch_size=1, packing=packing, shuffle=True, shuffle_seed=3, dp_rank=1,
-                  dp_world_size=2)
+    kwargs = dict(
+        seq_len=48, local_batch_size=1, packing=packing, shuffle=True, shuffle_seed=3, dp_rank=1, dp_world_size=2
+    )
     loader = make_loader(path, hf_tokenizer, **kwargs)
     states, batches = [], []
     for _ in range(30):
@@ -195,8 +213,9 @@ def test_prefetch_raises_errors_in_order(tmp_path, hf_tokenizer):
     lines = numbered_samples(12)
     lines[9] = "{broken"
     path = write_jsonl(tmp_path / "d.jsonl", lines)
-    loader = make_loader(path, hf_tokenizer, packing="pad", local_batch_size=1, bad_record_policy="fail",
-                         prefetch_batches=4)
+    loader = make_loader(
+        path, hf_tokenizer, packing="pad", local_batch_size=1, bad_record_policy="fail", prefetch_batches=4
+    )
     for _ in range(9):
         next(loader)
     for _ in range(2):  # raised where it happened, and again on a later call

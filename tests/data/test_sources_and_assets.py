@@ -42,8 +42,9 @@ def test_jsonl_and_save_to_disk_give_the_same_batches(tmp_path, hf_tokenizer):
     datasets.Dataset.from_list(samples).save_to_disk(str(tmp_path / "ds"))
     splits = {"train": datasets.Dataset.from_list(samples[:5]), "validation": datasets.Dataset.from_list(samples)}
     datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dsd"))
-    kwargs = dict(seq_len=64, local_batch_size=2, shuffle=True, shuffle_seed=5, dp_rank=1, dp_world_size=2,
-                  max_bad_fraction=1.0)
+    kwargs = dict(
+        seq_len=64, local_batch_size=2, shuffle=True, shuffle_seed=5, dp_rank=1, dp_world_size=2, max_bad_fraction=1.0
+    )
     reference = _batches(make_loader(jsonl, hf_tokenizer, **kwargs), 12)
     for path, split in ((tmp_path / "ds", "train"), (tmp_path / "dsd", "validation")):
         loader = make_loader(path, hf_tokenizer, split=split, **kwargs)
@@ -78,8 +79,14 @@ def test_build_dataloader_from_job_config(hf_tokenizer):
 def test_bundled_tokenizer(hf_tokenizer, raw_tokenizer):
     assert len(hf_tokenizer) <= 2048 and raw_tokenizer.get_vocab_size() <= 2048
     assert hf_tokenizer.chat_template
-    assert (hf_tokenizer.bos_token, hf_tokenizer.eos_token, hf_tokenizer.pad_token) == ("<|bos|>", "<|im_end|>", "<|pad|>")
-    text = hf_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert (hf_tokenizer.bos_token, hf_tokenizer.eos_token, hf_tokenizer.pad_token) == (
+        "<|bos|>",
+        "<|im_end|>",
+        "<|pad|>",
+    )
+    text = hf_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|bos|><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     # special tokens are single ids; byte-level BPE round-trips arbitrary unicode
     assert raw_tokenizer.encode("<|im_start|><|im_end|>", add_special_tokens=False).ids == [2, 3]
@@ -103,6 +110,9 @@ def test_demo_data_is_valid_and_reproducible(tmp_path, hf_tokenizer):
     lengths = [len(t.ids) for t in chat_tok.tokenize([chat_tok.split(c) for c in conversations[:300]])]
     assert max(lengths) < 256  # every sample fits the default seq_len
     out = tmp_path / "demo.jsonl"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_demo_data.py"), "--out", str(out)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_demo_data.py"), "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
     assert out.read_bytes() == DEMO_DATA_PATH.read_bytes()

@@ -58,8 +58,9 @@ def test_kernels_match_loop(qkv, window, use_docs, backend):
     q, k, v, docs = qkv
     docs = docs if use_docs else None
     want, want_max = loop_attention(q, k, v, 0.37, window, docs)
-    got, got_max = get_attention_backend(backend)(q, k, v, scale=0.37, window=window, document_ids=docs,
-                                                  record_max_logits=True)
+    got, got_max = get_attention_backend(backend)(
+        q, k, v, scale=0.37, window=window, document_ids=docs, record_max_logits=True
+    )
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(got_max.double(), want_max, atol=2e-5, rtol=2e-5)
 
@@ -82,8 +83,9 @@ def test_unknown_backend_names_choices():
 
 
 def _small_args():
-    return get_flavor("motif3_debug").replace(elementwise_attn_output_gate=True, lambda_init="normal",
-                                             gate_init="normal")
+    return get_flavor("motif3_debug").replace(
+        elementwise_attn_output_gate=True, lambda_init="normal", gate_init="normal"
+    )
 
 
 def gdla_by_hand(attn: GDLAttention, x, pos, docs, rope_theta):

@@ -10,8 +10,9 @@ from llm_training.motif import get_flavor
 def polynorm_by_hand(x, w, b, eps):
     def n(u):
         return u / torch.sqrt((u * u).mean(-1, keepdim=True) + eps)
+
     ws = torch.sigmoid(w)
-    return ws[0] * n(x ** 3) + ws[1] * n(x ** 2) + ws[2] * n(x) + b[0]
+    return ws[0] * n(x**3) + ws[1] * n(x**2) + ws[2] * n(x) + b[0]
 
 
 def test_polynorm_mlp_matches_formula():

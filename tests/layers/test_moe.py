@@ -53,7 +53,8 @@ def moe_by_hand(moe: MoE, x):
 
             def n(v):
                 return v / torch.sqrt(v.pow(2).mean() + ex.act_fn.eps)
-            h = (ws[0] * n(g ** 3) + ws[1] * n(g ** 2) + ws[2] * n(g) + b) * u * ex.act_fn.output_scale
+
+            h = (ws[0] * n(g**3) + ws[1] * n(g**2) + ws[2] * n(g) + b) * u * ex.act_fn.output_scale
             out[t] += w[k] * (ex.down_proj[e].double() @ h)
     sh = moe.shared_experts
     g, u = x.double() @ sh.gate_proj.weight.double().T, x.double() @ sh.up_proj.weight.double().T
@@ -61,7 +62,8 @@ def moe_by_hand(moe: MoE, x):
 
     def n(v):
         return v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
-    h = (ws[0] * n(g ** 3) + ws[1] * n(g ** 2) + ws[2] * n(g) + sh.act_fn.bias.double()) * u * 0.5
+
+    h = (ws[0] * n(g**3) + ws[1] * n(g**2) + ws[2] * n(g) + sh.act_fn.bias.double()) * u * 0.5
     return out + h @ sh.down_proj.weight.double().T
 
 
@@ -101,8 +103,14 @@ def test_grouped_mm_and_loop_paths_agree_with_grads(moe, monkeypatch):
         out, _ = moe(x)
         assert len(calls) == 2  # the grouped run used torch._grouped_mm for both GEMMs, the loop none
         out.sum().backward()  # a stride-0 gradient: the grouped path must cope
-        grads.append((out.detach(), moe.experts.gate_up_proj.grad.clone(), moe.experts.down_proj.grad.clone(),
-                      moe.experts.act_fn.bias.grad.clone()))
+        grads.append(
+            (
+                out.detach(),
+                moe.experts.gate_up_proj.grad.clone(),
+                moe.experts.down_proj.grad.clone(),
+                moe.experts.act_fn.bias.grad.clone(),
+            )
+        )
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 

@@ -4,21 +4,28 @@ import math
 
 import torch
 
-from llm_training.layers.rope import (RotaryEmbedding, apply_rope_interleaved, build_rotary_embeddings,
-                                      plain_inv_freq, yarn_inv_freq)
+from llm_training.layers.rope import (
+    RotaryEmbedding,
+    apply_rope_interleaved,
+    build_rotary_embeddings,
+    plain_inv_freq,
+    yarn_inv_freq,
+)
 from llm_training.motif import get_flavor
 
 
 def test_plain_frequencies():
     got = plain_inv_freq(8, 500.0)
-    want = torch.tensor([1.0, 500 ** -0.25, 500 ** -0.5, 500 ** -0.75], dtype=torch.float64)
+    want = torch.tensor([1.0, 500**-0.25, 500**-0.5, 500**-0.75], dtype=torch.float64)
     torch.testing.assert_close(got, want)
 
 
 def yarn_by_hand(d, theta, s, beta_fast, beta_slow, orig):
     """Per pair j: wavelength-based correction range [low, high] (DeepSeek-V3 YaRN), linear blend."""
+
     def corr(rot):
         return d * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
     low, high = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), d - 1)
     out = []
     for j in range(d // 2):
@@ -41,12 +48,14 @@ def test_flavor_tables_sliding_never_yarn():
     a = get_flavor("motif3_seq_256k_mtp1_sft")
     full, sliding = build_rotary_embeddings(a)
     torch.testing.assert_close(sliding.inv_freq, plain_inv_freq(a.qk_rope_head_dim, a.swa_rope_theta))
-    torch.testing.assert_close(full.inv_freq, yarn_by_hand(a.qk_rope_head_dim, a.rope_theta, a.rope_factor,
-                                                           a.beta_fast, a.beta_slow, a.original_seq_len))
+    torch.testing.assert_close(
+        full.inv_freq,
+        yarn_by_hand(a.qk_rope_head_dim, a.rope_theta, a.rope_factor, a.beta_fast, a.beta_slow, a.original_seq_len),
+    )
     full4k, _ = build_rotary_embeddings(get_flavor("motif3_seq"))
     torch.testing.assert_close(full4k.inv_freq, plain_inv_freq(a.qk_rope_head_dim, a.rope_theta))
-    assert a.softmax_scale(0) == a.head_dim ** -0.5 * (0.1 * math.log(64) + 1) ** 2
-    assert a.softmax_scale(1) == a.head_dim ** -0.5
+    assert a.softmax_scale(0) == a.head_dim**-0.5 * (0.1 * math.log(64) + 1) ** 2
+    assert a.softmax_scale(1) == a.head_dim**-0.5
 
 
 def test_interleaved_rotation_is_complex_multiplication_per_pair():

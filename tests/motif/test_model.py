@@ -70,8 +70,10 @@ def test_param_count_debug_and_fqns(debug_model):
     for name, shape in expected.items():
         assert tuple(names[name].shape) == shape, name
     buffers = dict(debug_model.named_buffers())
-    assert buffers["layers.2.moe.expert_bias"].dtype == torch.float32 and "layers.2.moe.expert_bias" in \
-        debug_model.state_dict()
+    assert (
+        buffers["layers.2.moe.expert_bias"].dtype == torch.float32
+        and "layers.2.moe.expert_bias" in debug_model.state_dict()
+    )
     assert names["layers.2.moe.router.gate.weight"].dtype == torch.float32
 
 
@@ -215,9 +217,9 @@ def test_gdla_in_model_uses_flavor_scale():
     a = get_flavor("motif3_debug").replace(max_seq_len=1024, original_seq_len=256, rope_factor=4.0)
     with torch.device("meta"):
         model = Motif3Model(a)
-    assert model.layers[0].self_attn.softmax_scale == a.softmax_scale(0) > a.head_dim ** -0.5
-    assert model.layers[1].self_attn.softmax_scale == a.head_dim ** -0.5
-    assert model.mtp_layers[0].self_attn.softmax_scale == a.head_dim ** -0.5
+    assert model.layers[0].self_attn.softmax_scale == a.softmax_scale(0) > a.head_dim**-0.5
+    assert model.layers[1].self_attn.softmax_scale == a.head_dim**-0.5
+    assert model.mtp_layers[0].self_attn.softmax_scale == a.head_dim**-0.5
     assert sum(isinstance(m, MoE) for m in model.modules()) == 4
 
 
@@ -283,8 +285,10 @@ def test_forward_equals_spec_composition_by_hand():
         h_pre, h_post, h_res = coefficients(mhc, X)
         u = sum(h_pre[..., i, None] * X[:, :, i] for i in range(n))
         y = fn(rms(u, norm.weight, 1e-5))
-        return torch.stack([sum(h_res[..., i, j, None] * X[:, :, j] for j in range(n)) + h_post[..., i, None] * y
-                            for i in range(n)], dim=2)
+        return torch.stack(
+            [sum(h_res[..., i, j, None] * X[:, :, j] for j in range(n)) + h_post[..., i, None] * y for i in range(n)],
+            dim=2,
+        )
 
     with torch.no_grad():
         X = model.embed_tokens.weight[ids][:, :, None].expand(B, S, n, H)
@@ -300,6 +304,6 @@ def test_forward_equals_spec_composition_by_hand():
         z = z + mtp.mlp(rms(z, mtp.post_attention_layernorm.weight, 1e-5))
         mtp_logits = rms(z, mtp.final_layernorm.weight, 1e-5) @ model.lm_head.weight.T
         out = model(ids)
-    assert mtp.self_attn.window == a.sliding_window and mtp.self_attn.softmax_scale == a.head_dim ** -0.5
+    assert mtp.self_attn.window == a.sliding_window and mtp.self_attn.softmax_scale == a.head_dim**-0.5
     torch.testing.assert_close(out.logits, hidden @ model.lm_head.weight.T, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(out.mtp_logits[0][:, : S - 1], mtp_logits, atol=1e-5, rtol=1e-4)

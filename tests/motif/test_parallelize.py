@@ -74,7 +74,9 @@ def _worker(rank, world, port, path, dp_replicate=1):
         loss = _loss_and_grads(model, ids[mine], labels[mine], normalisers, 1.0 / world)
         dist.all_reduce(loss)
         parallel.sync_replicated_grads()
-        grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
+        grads = {
+            n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()
+        }
         if rank == 0:
             torch.save({"loss": loss, "grads": grads}, path)
     finally:

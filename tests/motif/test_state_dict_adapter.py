@@ -58,12 +58,26 @@ def test_permutation_is_half_split_and_invertible():
 
 def test_config_round_trip_and_published_field_names():
     cfg = hf_config_from_args(ARGS)
-    for name in ("num_hidden_layers", "hidden_size", "num_experts", "experts_top_k", "max_position_embeddings",
-                 "qk_rope_head_dim", "num_nextn_predict_layers", "rope_scaling", "vocab_size"):
+    for name in (
+        "num_hidden_layers",
+        "hidden_size",
+        "num_experts",
+        "experts_top_k",
+        "max_position_embeddings",
+        "qk_rope_head_dim",
+        "num_nextn_predict_layers",
+        "rope_scaling",
+        "vocab_size",
+    ):
         assert name in cfg
-    assert cfg["rope_scaling"] == {"type": "yarn", "factor": ARGS.rope_factor, "beta_fast": ARGS.beta_fast,
-                                   "beta_slow": ARGS.beta_slow, "mscale": ARGS.mscale,
-                                   "original_max_position_embeddings": ARGS.original_seq_len}
+    assert cfg["rope_scaling"] == {
+        "type": "yarn",
+        "factor": ARGS.rope_factor,
+        "beta_fast": ARGS.beta_fast,
+        "beta_slow": ARGS.beta_slow,
+        "mscale": ARGS.mscale,
+        "original_max_position_embeddings": ARGS.original_seq_len,
+    }
     assert cfg["max_position_embeddings"] == ARGS.max_seq_len
     assert args_from_hf_config(json.loads(json.dumps(cfg))) == ARGS
 
@@ -77,8 +91,12 @@ def test_unknown_fields_are_dropped_with_a_warning(caplog):
 
 @pytest.mark.parametrize(
     "change, needle",
-    [({"hidden_size": "64"}, "hidden_size"), ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type"),
-     ({"diff_v2": False}, "diff_v2"), ({"num_noise_heads": 3}, "num_noise_heads")],
+    [
+        ({"hidden_size": "64"}, "hidden_size"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type"),
+        ({"diff_v2": False}, "diff_v2"),
+        ({"num_noise_heads": 3}, "num_noise_heads"),
+    ],
 )
 def test_bad_config_errors_name_the_field(change, needle):
     with pytest.raises(ValueError, match=needle):
@@ -132,8 +150,8 @@ def test_bf16_export_keeps_fp32_tensors(tmp_path):
 def _half_split_rows(w, n_heads, head_dim, d_rope):
     """The test's own NeoX re-layout: per head, rope rows (2j, 2j+1) -> (j, j + d/2)."""
     w = w.clone().reshape(n_heads, head_dim, -1)
-    rope = w[:, head_dim - d_rope:]
-    w[:, head_dim - d_rope:] = torch.cat([rope[:, 0::2], rope[:, 1::2]], dim=1)
+    rope = w[:, head_dim - d_rope :]
+    w[:, head_dim - d_rope :] = torch.cat([rope[:, 0::2], rope[:, 1::2]], dim=1)
     return w.reshape(n_heads * head_dim, -1)
 
 
@@ -146,24 +164,45 @@ def _write_independent_hf_dir(path, model):
         if key.endswith("self_attn.wq_b.weight"):
             w = _half_split_rows(w, a.num_attention_heads, a.head_dim, a.qk_rope_head_dim)
         elif key.endswith("self_attn.wkv_a.weight"):
-            w = torch.cat([w[: a.kv_lora_rank], _half_split_rows(w[a.kv_lora_rank:], 1, a.qk_rope_head_dim,
-                                                                  a.qk_rope_head_dim)])
+            w = torch.cat(
+                [w[: a.kv_lora_rank], _half_split_rows(w[a.kv_lora_rank :], 1, a.qk_rope_head_dim, a.qk_rope_head_dim)]
+            )
         tensors[key if key.startswith("lm_head") else f"model.{key}"] = w.contiguous()
     save_file(tensors, str(path / "model.safetensors"))
     config = {
-        "architectures": ["Motif3ForCausalLM"], "model_type": "motif3", "vocab_size": a.vocab_size,
-        "hidden_size": a.hidden_size, "num_hidden_layers": a.num_hidden_layers,
-        "intermediate_size": a.intermediate_size, "n_dense_first_layers": a.n_dense_first_layers,
-        "num_experts": a.num_experts, "experts_top_k": a.experts_top_k, "num_shared_experts": 1,
-        "moe_intermediate_size": a.moe_intermediate_size, "num_attention_heads": a.num_attention_heads,
-        "num_key_value_heads": a.num_key_value_heads, "num_noise_heads": a.num_noise_heads,
-        "head_dim": a.head_dim, "qk_rope_head_dim": a.qk_rope_head_dim, "v_head_dim": a.v_head_dim,
-        "q_lora_rank": a.q_lora_rank, "kv_lora_rank": a.kv_lora_rank, "sliding_window": a.sliding_window,
-        "max_position_embeddings": a.max_seq_len, "diff_v2": True, "headwise_attn_output_gate": False,
-        "rope_scaling": {"type": "yarn", "factor": a.rope_factor, "beta_fast": a.beta_fast,
-                         "beta_slow": a.beta_slow, "mscale": a.mscale,
-                         "original_max_position_embeddings": a.original_seq_len},
-        "torch_dtype": "float32", "transformers_version": "5.0.0",
+        "architectures": ["Motif3ForCausalLM"],
+        "model_type": "motif3",
+        "vocab_size": a.vocab_size,
+        "hidden_size": a.hidden_size,
+        "num_hidden_layers": a.num_hidden_layers,
+        "intermediate_size": a.intermediate_size,
+        "n_dense_first_layers": a.n_dense_first_layers,
+        "num_experts": a.num_experts,
+        "experts_top_k": a.experts_top_k,
+        "num_shared_experts": 1,
+        "moe_intermediate_size": a.moe_intermediate_size,
+        "num_attention_heads": a.num_attention_heads,
+        "num_key_value_heads": a.num_key_value_heads,
+        "num_noise_heads": a.num_noise_heads,
+        "head_dim": a.head_dim,
+        "qk_rope_head_dim": a.qk_rope_head_dim,
+        "v_head_dim": a.v_head_dim,
+        "q_lora_rank": a.q_lora_rank,
+        "kv_lora_rank": a.kv_lora_rank,
+        "sliding_window": a.sliding_window,
+        "max_position_embeddings": a.max_seq_len,
+        "diff_v2": True,
+        "headwise_attn_output_gate": False,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": a.rope_factor,
+            "beta_fast": a.beta_fast,
+            "beta_slow": a.beta_slow,
+            "mscale": a.mscale,
+            "original_max_position_embeddings": a.original_seq_len,
+        },
+        "torch_dtype": "float32",
+        "transformers_version": "5.0.0",
     }
     (path / "config.json").write_text(json.dumps(config))
 
@@ -230,16 +269,17 @@ def test_hf_half_split_rope_on_exported_rows_equals_our_interleaved_rope():
     def hf_rotate(t):  # t [S, heads, d], HF/NeoX convention: cos/sin tables repeated twice, rotate_half
         cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None]
         sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None]
-        rotated_half = torch.cat([-t[..., d // 2:], t[..., : d // 2]], -1)
+        rotated_half = torch.cat([-t[..., d // 2 :], t[..., : d // 2]], -1)
         return t * cos + rotated_half * sin
 
     q = (c_q @ wq_b.T).view(S, a.num_attention_heads, a.head_dim)
     q_hf = (c_q @ wq_b_hf.T).view(S, a.num_attention_heads, a.head_dim)
     torch.testing.assert_close(q_hf[..., :nope], q[..., :nope], rtol=0, atol=0)
-    k_pe = (x @ wkv_a.T)[:, None, a.kv_lora_rank:]  # [S, 1, d]
-    k_pe_hf = (x @ wkv_a_hf.T)[:, None, a.kv_lora_rank:]
-    torch.testing.assert_close((x @ wkv_a_hf.T)[:, : a.kv_lora_rank], (x @ wkv_a.T)[:, : a.kv_lora_rank],
-                               rtol=0, atol=0)
+    k_pe = (x @ wkv_a.T)[:, None, a.kv_lora_rank :]  # [S, 1, d]
+    k_pe_hf = (x @ wkv_a_hf.T)[:, None, a.kv_lora_rank :]
+    torch.testing.assert_close(
+        (x @ wkv_a_hf.T)[:, : a.kv_lora_rank], (x @ wkv_a.T)[:, : a.kv_lora_rank], rtol=0, atol=0
+    )
 
     cos, sin = ang.cos()[None].float(), ang.sin()[None].float()
     ours_q = apply_rope_interleaved(q[None, ..., nope:].float(), cos, sin)[0].double()

@@ -13,14 +13,26 @@ ARGS = get_flavor("motif3_debug")
 
 
 def _rec(step, loss, skipped=False, qk=0):
-    return StepRecord(step=step, loss=loss, ce_loss=loss - 1, mtp_loss=1.0, balance_loss=0.0, grad_norm=2.0,
-                      lr=1e-3 * step, tokens=1000, step_time_s=0.5, expert_imbalance=1.5 + step,
-                      qk_clip_events=qk, skipped=skipped)
+    return StepRecord(
+        step=step,
+        loss=loss,
+        ce_loss=loss - 1,
+        mtp_loss=1.0,
+        balance_loss=0.0,
+        grad_norm=2.0,
+        lr=1e-3 * step,
+        tokens=1000,
+        step_time_s=0.5,
+        expert_imbalance=1.5 + step,
+        qk_clip_events=qk,
+        skipped=skipped,
+    )
 
 
 def test_jsonl_records_and_throughput(tmp_path):
-    log = MetricsLogger(ARGS, seq_len=64, total_steps=4, log_freq=2, run_folder=tmp_path, device=torch.device("cpu"),
-                        world_size=2)
+    log = MetricsLogger(
+        ARGS, seq_len=64, total_steps=4, log_freq=2, run_folder=tmp_path, device=torch.device("cpu"), world_size=2
+    )
     for step, loss in ((1, 5.0), (2, 3.0), (3, float("nan")), (4, 2.0)):
         log.record(_rec(step, loss, skipped=step == 3, qk=1 if step == 4 else 0))
     log.close()

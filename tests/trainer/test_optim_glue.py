@@ -66,9 +66,24 @@ def test_motif_grouping(debug_model):
 
 
 def test_flags_and_adamw_baseline(debug_model):
-    flipped = _group_of(build_optimizers(debug_model, _config(
-        "--optimizer.router_in_muon", "true", "--optimizer.mhc_proj_in_muon", "true", "--optimizer.lambda_in_muon", "true")))
-    for name in ("layers.2.moe.router.gate.weight", "layers.0.mhc_attn.proj_pre.weight", "layers.0.self_attn.lambda_proj.weight"):
+    flipped = _group_of(
+        build_optimizers(
+            debug_model,
+            _config(
+                "--optimizer.router_in_muon",
+                "true",
+                "--optimizer.mhc_proj_in_muon",
+                "true",
+                "--optimizer.lambda_in_muon",
+                "true",
+            ),
+        )
+    )
+    for name in (
+        "layers.2.moe.router.gate.weight",
+        "layers.0.mhc_attn.proj_pre.weight",
+        "layers.0.self_attn.lambda_proj.weight",
+    ):
         assert flipped[name] == "muon"
     adamw = build_optimizers(debug_model, _config("--optimizer.name", "adamw"))
     assert adamw.muon is None and isinstance(adamw.adamw, torch.optim.AdamW)

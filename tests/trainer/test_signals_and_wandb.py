@@ -82,8 +82,12 @@ def test_wandb_offline_logs_metrics_and_resumes_same_run(make_config, tmp_path, 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_PROJECT", "llm-training-test")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    first = train(make_config("--training.steps=2", "--checkpoint.interval=1", "--metrics.enable_wandb",
-                              "--optimizer.name=adamw"), DIMS)
+    first = train(
+        make_config(
+            "--training.steps=2", "--checkpoint.interval=1", "--metrics.enable_wandb", "--optimizer.name=adamw"
+        ),
+        DIMS,
+    )
     runs = sorted((first.run_folder / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     run_id = runs[0].name.rsplit("-", 1)[1]
@@ -93,8 +97,12 @@ def test_wandb_offline_logs_metrics_and_resumes_same_run(make_config, tmp_path, 
     assert [r["loss"] for r in rows] == [first.losses[1], first.losses[2]]
     assert "tokens_per_s" in rows[0] and "grad_norm" in rows[0] and "mfu_megatron" not in rows[0]  # n/a on CPU
 
-    second = train(make_config("--training.steps=3", "--checkpoint.interval=1", "--metrics.enable_wandb",
-                               "--optimizer.name=adamw"), DIMS)
+    second = train(
+        make_config(
+            "--training.steps=3", "--checkpoint.interval=1", "--metrics.enable_wandb", "--optimizer.name=adamw"
+        ),
+        DIMS,
+    )
     assert second.start_step == 2
     runs = sorted((first.run_folder / "wandb").glob("offline-run-*"))
     assert {r.name.rsplit("-", 1)[1] for r in runs} == {run_id}  # the same wandb run id continues

@@ -60,10 +60,27 @@ def test_resume_with_another_lr_warns_and_keeps_the_checkpoint_lr(make_config, c
 
 
 def test_gradient_accumulation_matches_one_big_micro_batch(make_config):
-    one = train(make_config("--job.run_name=a", "--training.local_batch_size=4", "--training.steps=2",
-                            "--checkpoint.enable=false", "--optimizer.name=adamw"), DIMS)
-    acc = train(make_config("--job.run_name=b", "--training.local_batch_size=2", "--training.global_batch_size=4",
-                            "--training.steps=2", "--checkpoint.enable=false", "--optimizer.name=adamw"), DIMS)
+    one = train(
+        make_config(
+            "--job.run_name=a",
+            "--training.local_batch_size=4",
+            "--training.steps=2",
+            "--checkpoint.enable=false",
+            "--optimizer.name=adamw",
+        ),
+        DIMS,
+    )
+    acc = train(
+        make_config(
+            "--job.run_name=b",
+            "--training.local_batch_size=2",
+            "--training.global_batch_size=4",
+            "--training.steps=2",
+            "--checkpoint.enable=false",
+            "--optimizer.name=adamw",
+        ),
+        DIMS,
+    )
     for step in (1, 2):
         assert math.isclose(one.losses[step], acc.losses[step], rel_tol=1e-5), step
 
@@ -107,8 +124,15 @@ def test_nonfinite_step_is_skipped_and_counted(make_config):
 
 
 def test_consecutive_nonfinite_steps_abort_without_checkpoint(make_config):
-    trainer = Trainer(make_config("--training.steps=5", "--training.max_consecutive_nonfinite=2",
-                                  "--checkpoint.interval=1", "--optimizer.name=adamw"), DIMS)
+    trainer = Trainer(
+        make_config(
+            "--training.steps=5",
+            "--training.max_consecutive_nonfinite=2",
+            "--checkpoint.interval=1",
+            "--optimizer.name=adamw",
+        ),
+        DIMS,
+    )
     _nan_at_steps(trainer, {3, 4, 5})
     with pytest.raises(NonFiniteLossError, match="max_consecutive_nonfinite"):
         trainer.fit()
@@ -123,8 +147,13 @@ def test_checkpoint_contents_and_config(make_config):
     keys = set(meta.state_dict_metadata)
     assert "model.layers.2.moe.expert_bias" in keys and "model.lm_head.weight" in keys
     assert any(k.startswith("optimizer.state.") for k in keys)
-    assert {"lr_scheduler.last_step", "train_state.step", "train_state.config_toml",
-            "dataloader_dp_rank_0.blob", "rng_rank_0.blob"} <= keys
+    assert {
+        "lr_scheduler.last_step",
+        "train_state.step",
+        "train_state.config_toml",
+        "dataloader_dp_rank_0.blob",
+        "rng_rank_0.blob",
+    } <= keys
     state = {"train_state": {"step": 0, "config_toml": ""}}
     dcp.load(state, checkpoint_id=str(result.last_checkpoint), no_dist=True)
     assert state["train_state"]["step"] == 2 and "[training]" in state["train_state"]["config_toml"]
@@ -145,8 +174,9 @@ def test_initial_load_path_sets_weights_when_no_checkpoint(make_config, tmp_path
     if fmt == "dcp":
         assert convert_main(["hf-to-dcp", str(path), str(tmp_path / "dcp")]) == 0
         path = tmp_path / "dcp"
-    trainer = Trainer(make_config(f"--checkpoint.initial_load_path={path}",
-                                  f"--checkpoint.initial_load_format={fmt}"), DIMS)
+    trainer = Trainer(
+        make_config(f"--checkpoint.initial_load_path={path}", f"--checkpoint.initial_load_format={fmt}"), DIMS
+    )
     trainer._resume_or_initial_load()
     got = trainer.model.state_dict()
     assert all(torch.equal(v, got[k]) for k, v in source.state_dict().items())
@@ -156,8 +186,12 @@ def test_initial_load_path_sets_weights_when_no_checkpoint(make_config, tmp_path
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_fsdp_training_resumes_exactly(make_config):
     """One GPU: FSDP2 (1 rank) bf16 params / fp32 master; stop + resume gives the same losses."""
-    opts = ("--training.device=cuda", "--training.mixed_precision_param=bfloat16", "--training.steps=4",
-            "--checkpoint.interval=2")
+    opts = (
+        "--training.device=cuda",
+        "--training.mixed_precision_param=bfloat16",
+        "--training.steps=4",
+        "--checkpoint.interval=2",
+    )
     full = train(make_config("--job.run_name=gpu_full", *opts), DIMS)
     assert all(math.isfinite(v) for v in full.losses.values())
     crashed = Trainer(make_config("--job.run_name=gpu_resumed", *opts), DIMS)
