@@ -18,14 +18,13 @@ import sys
 import time
 
 import torch
+from cuda_timing import cuda_time_ms
 
-from llm_training.layers.attention_backends import get_attention_backend
+from llm_training.layers.attention_backends import build_attention_metadata, get_attention_backend
 from llm_training.motif import get_flavor, training_flops_per_token
 from llm_training.motif.model import Motif3Model
 from llm_training.trainer.losses import linear_cross_entropy_sum
 from llm_training.trainer.metrics import peak_bf16_flops
-
-from cuda_timing import cuda_time_ms
 
 
 def peak_flops() -> float:
@@ -124,8 +123,8 @@ def bench_attention(args) -> list[dict]:
     ]
     rows = []
     for backend in [b for b in args.attention_backends.split(",")]:
-        kernel = get_attention_backend(backend)
-        ref_kernel = get_attention_backend("reference")
+        kernel = get_attention_backend(backend).kernel
+        ref_kernel = get_attention_backend("reference").kernel
         for name, window, docs in cases:
             row = {"backend": backend, "case": name, "B": B, "S": S, "Hq": Hq, "Hkv": Hkv}
             try:
@@ -141,15 +140,18 @@ def bench_attention(args) -> list[dict]:
                         d = ((pos >= s // 5).int() + (pos >= s // 2).int()).expand(B, s).contiguous()
                     return [t.requires_grad_() for t in (q, k, v)], d
 
+                def kwargs(name, d, s):  # the metadata a model forward builds once for all its layers
+                    meta = build_attention_metadata(name, d, [window], B, s, torch.device("cuda"))
+                    return dict(scale=scale, window=window, metadata=meta, record_max_logits=False)
+
                 (q, k, v), d = make(1024)  # correctness vs the fp32 reference on a short sequence
-                kw = dict(scale=scale, window=window, document_ids=d, record_max_logits=False)
-                out, _ = kernel(q, k, v, **kw)
-                ref, _ = ref_kernel(q, k, v, **kw)
+                out, _ = kernel(q, k, v, **kwargs(backend, d, 1024))
+                ref, _ = ref_kernel(q, k, v, **kwargs("reference", d, 1024))
                 err = (out.float() - ref.float()).abs().max().item()
                 if err > 5e-2:
                     raise RuntimeError(f"mismatch vs reference: max abs err {err:.3g}")
                 (q, k, v), d = make(S)
-                kw["document_ids"] = d
+                kw = kwargs(backend, d, S)
                 grad = torch.randn(B, S, Hq, a.v_head_dim, device="cuda", dtype=torch.bfloat16)
 
                 def fwd_bwd():

@@ -25,6 +25,7 @@ import torch
 from llm_training.config import ConfigManager
 from llm_training.config.job_config import PACKAGE_DIR
 from llm_training.distributed import ParallelDims
+from llm_training.distributed.utils import setup_distributed
 from llm_training.motif import get_flavor, training_flops_per_token
 from llm_training.trainer import Trainer
 from llm_training.trainer.metrics import peak_bf16_flops
@@ -90,7 +91,9 @@ def run_case(
         "--metrics.save_jsonl=false", "--lr_scheduler.warmup_steps=1",
     ])  # fmt: skip
     args = get_flavor(flavor)
-    trainer = Trainer(cfg, ParallelDims(1, -1, 1, 1, 1))
+    dims = ParallelDims(1, -1, 1, 1, 1)
+    device, _ = setup_distributed(cfg.training.device, dims)  # a 1-rank nccl group (FSDP2), kept for the run
+    trainer = Trainer(cfg, dims, device)
     gen = torch.Generator().manual_seed(0)
     torch.cuda.reset_peak_memory_stats()
     times_ms, first = [], None
@@ -114,7 +117,7 @@ def run_case(
             times_ms.append(start.elapsed_time(end))
     if profile:
         profile_steps(trainer, batch, seq_len, args.vocab_size, profile, profile_out)
-    trainer.close()
+    del trainer
     med_s = statistics.median(times_ms) / 1e3
     tokens = batch * seq_len
     peak = peak_bf16_flops(torch.device("cuda"))

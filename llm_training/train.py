@@ -1,9 +1,9 @@
 """Entrypoint: `python -m llm_training.train --job.config_file X.toml [--section.key=value ...]`.
 
 Also runs under torchrun (`torchrun --nproc_per_node N -m llm_training.train ...`). Order of work:
-parse + validate the config (no torch.distributed, no GPU yet) -> set up logging -> init the process
-group when launched by torchrun (nccl on CUDA, gloo on CPU) -> ParallelDims + device mesh -> report the
-flavor's size and FLOPs -> write the resolved config to <dump_folder>/<run_name>/config.toml -> run().
+parse + validate the config (no torch.distributed, no GPU yet) -> set up logging -> `setup_distributed` (once:
+device, process group (nccl on CUDA, gloo on CPU), device mesh) -> write the resolved config to
+<dump_folder>/<run_name>/config.toml -> run() -> the trainer.
 Exit codes: 0 success, 2 configuration error.
 """
 
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from llm_training.config import (
     ConfigError,
@@ -25,22 +26,9 @@ from llm_training.config import (
     validate_for_world_size,
 )
 from llm_training.distributed import ParallelDims
-from llm_training.motif import get_flavor, param_counts, training_flops_per_token
+from llm_training.distributed.utils import env_rank, env_world_size, setup_distributed
 
 logger = logging.getLogger("llm_training")
-
-
-def env_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def env_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def launched_distributed() -> bool:
-    """True under torchrun (or any launcher that sets RANK / WORLD_SIZE > 1)."""
-    return "RANK" in os.environ or env_world_size() > 1
 
 
 def init_logging(rank: int) -> None:
@@ -55,43 +43,6 @@ def init_logging(rank: int) -> None:
     )
 
 
-def resolve_device(job_config: JobConfig) -> torch.device:
-    """The training device from [training] device; on CUDA, the GPU of LOCAL_RANK."""
-    wanted = job_config.training.device
-    if wanted == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("[training] device = 'cuda' but no CUDA GPU is visible; use device = 'auto' or 'cpu'")
-    if wanted == "cpu" or (wanted == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
-
-
-def init_distributed(device: torch.device) -> None:
-    if launched_distributed() and not torch.distributed.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
-        torch.distributed.init_process_group(backend=backend, **kwargs)
-
-
-def log_model_summary(job_config: JobConfig) -> None:
-    """Parameter counts and training FLOPs/token of the flavor (from the args, nothing is built)."""
-    args = get_flavor(job_config.model.flavor)
-    counts = param_counts(args)
-    seq = job_config.training.seq_len
-    logger.info(
-        "model %s: total params %s (+ MTP %s), active params/token %s; training FLOPs/token at seq %d: "
-        "%.4g (megatron), %.4g (torchtitan)",
-        job_config.model.flavor,
-        f"{counts.total:,}",
-        f"{counts.mtp:,}",
-        f"{counts.active:,}",
-        seq,
-        training_flops_per_token(args, seq, "megatron"),
-        training_flops_per_token(args, seq, "torchtitan"),
-    )
-
-
 def write_resolved_config(job_config: JobConfig) -> Path:
     """Write the resolved config to <dump_folder>/<run_name>/config.toml (it loads back as the same config)."""
     path = job_config.run_folder / "config.toml"
@@ -100,7 +51,7 @@ def write_resolved_config(job_config: JobConfig) -> Path:
     return path
 
 
-def run(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+def run(job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device) -> None:
     """The training job proper, after setup: log the batch layout, then train (llm_training.trainer)."""
     from llm_training.trainer import train  # heavy imports (model, data, optimizer) only once config is valid
 
@@ -120,7 +71,7 @@ def run(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
         f"{tokens_per_step:,}",
         t.steps,
     )
-    train(job_config, parallel_dims)
+    train(job_config, parallel_dims, device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,24 +85,20 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         parallel_dims = validate_for_world_size(job_config, env_world_size())
         init_logging(rank)
-        device = resolve_device(job_config)
+        device, _ = setup_distributed(job_config.training.device, parallel_dims)
     except ConfigError as e:
         if rank == 0:
             print(f"config error: {e}", file=sys.stderr)
         return 2
-    init_distributed(device)
     try:
-        if torch.distributed.is_initialized():
-            parallel_dims.build_mesh(device.type)  # single process: no process group, world_mesh stays None
         if job_config.job.description:
             logger.info("run %s: %s", job_config.job.run_name, job_config.job.description)
-        log_model_summary(job_config)
         if rank == 0:
             logger.info("resolved config written to %s", write_resolved_config(job_config))
-        run(job_config, parallel_dims)
+        run(job_config, parallel_dims, device)
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

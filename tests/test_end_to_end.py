@@ -4,6 +4,7 @@ trains with a clearly falling loss, writes metrics and checkpoints, and a checkp
 import json
 
 import pytest
+import torch
 
 from llm_training.config import ConfigManager
 from llm_training.config.job_config import PACKAGE_DIR
@@ -20,7 +21,7 @@ def test_debug_cpu_demo_loss_falls_and_outputs_exist(tmp_path):
         "--training.seq_len=64", "--lr_scheduler.warmup_steps=5", "--checkpoint.interval=15",
         "--metrics.log_freq=5",
     ])  # fmt: skip
-    result = train(cfg, ParallelDims(1, -1, 1, 1, 1))
+    result = train(cfg, ParallelDims(1, -1, 1, 1, 1), torch.device("cpu"))
     losses = [result.losses[s] for s in sorted(result.losses)]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 1.0, (first, last)  # from ~ln(2048)+0.3*ln(2048) ~ 9.9 down by well over 1 nat

@@ -1,6 +1,5 @@
 """Job configuration: dataclasses per TOML section, TOML + `--section.key` parsing, validation, TOML dump."""
 
-from llm_training.config.errors import ConfigError
 from llm_training.config.job_config import (
     ActivationCheckpoint,
     Checkpoint,
@@ -19,6 +18,7 @@ from llm_training.config.job_config import (
 from llm_training.config.manager import ConfigManager
 from llm_training.config.toml_writer import to_toml
 from llm_training.config.validate import grad_accumulation_steps, validate_config, validate_for_world_size
+from llm_training.errors import ConfigError
 
 __all__ = [
     "ActivationCheckpoint",

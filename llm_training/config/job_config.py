@@ -2,7 +2,9 @@
 
 Each field is declared with `option(default, doc, choices=...)`; the doc string is what `--help`,
 `scripts/gen_config_docs.py` (-> docs/config.md) and the resolved-config dump show, and `choices` (for
-string fields, or the elements of list fields) is checked when the value is parsed.
+string fields, or the elements of list fields) is checked when the value is parsed. A choice set that names
+implementations comes from the registry that implements them (flavors, attention backends, quantization
+recipes, activation-checkpoint modes), so the config accepts exactly what exists.
 """
 
 from __future__ import annotations
@@ -11,6 +13,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from llm_training.distributed.activation_checkpoint import AC_MODES
+from llm_training.layers.attention_backends import ATTENTION_BACKENDS
+from llm_training.motif import MODEL_FLAVORS
+from llm_training.quantization import CONVERTERS
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../llm_training
 ASSETS_DIR = PACKAGE_DIR / "data" / "assets"
@@ -37,12 +44,14 @@ class Job:
 
 @dataclass
 class Model:
-    flavor: str = option("motif3_debug", "model flavor from llm_training.motif.MODEL_FLAVORS")
+    flavor: str = option(
+        "motif3_debug", "model flavor from llm_training.motif.MODEL_FLAVORS", choices=tuple(MODEL_FLAVORS)
+    )
     tokenizer_path: str = option(str(ASSETS_DIR / "tokenizer"), "local HuggingFace tokenizer directory")
     attention_backend: str = option(
         "auto",
         "attention kernel: auto picks the fastest available for the device",
-        choices=("auto", "reference", "sdpa", "flex", "varlen", "fa4"),
+        choices=tuple(ATTENTION_BACKENDS),
     )
 
 
@@ -155,9 +164,7 @@ class Checkpoint:
 @dataclass
 class ActivationCheckpoint:
     mode: str = option(
-        "none",
-        "recompute activations in backward: none, every block, or selected ops",
-        choices=("none", "full", "selective"),
+        "none", "recompute activations in backward: none, every block, or selected ops", choices=AC_MODES
     )
 
 
@@ -176,8 +183,8 @@ class Compile:
 class Quantize:
     mode: str = option(
         "none",
-        "low-precision training of linears/experts (fp8_*: SM90+, mxfp8: SM100; mxfp8_emulated runs anywhere)",
-        choices=("none", "fp8_rowwise", "fp8_tensorwise", "mxfp8", "mxfp8_emulated"),
+        "low-precision training recipe (llm_training.quantization.CONVERTERS; FP8 / MXFP8 are not built yet)",
+        choices=tuple(CONVERTERS),
     )
 
 

@@ -20,9 +20,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from llm_training.config.errors import ConfigError
 from llm_training.config.job_config import PACKAGE_DIR, JobConfig, section_classes
 from llm_training.config.validate import validate_config
+from llm_training.errors import ConfigError
 
 TRAIN_CONFIGS_DIR = PACKAGE_DIR / "motif" / "train_configs"
 _TRUE = ("true", "1", "yes", "on")
@@ -145,6 +145,7 @@ class ConfigManager:
             raise SystemExit(0)
         overrides = self._parse_cli(argv)
         config = JobConfig()
+        self._origins: dict[tuple[str, str], str] = {}  # where each set value came from (for the messages)
         config_file = next((v for (s, k), v in overrides.items() if (s, k) == ("job", "config_file")), "")
         if config_file:
             self._apply_toml(config, self.load_toml(config_file), Path(config_file))
@@ -154,6 +155,7 @@ class ConfigManager:
             config.job.config_file = config_file  # the file actually loaded (a dumped config names its source)
         if not config.job.run_name:
             config.job.run_name = Path(config_file).stem if config_file else "default"
+        self._check_choices(config)  # on the merged values: a command-line override may replace a TOML value
         validate_config(config)
         return config
 
@@ -261,10 +263,19 @@ class ConfigManager:
                 f"[{section}] {key}: expected {type_name(tp)}{list_hint}, got {raw!r} "
                 f"({type(raw).__name__}) from {origin}{hint}"
             ) from None
-        f = next(f for f in dataclasses.fields(self.sections[section]) if f.name == key)
-        choices = f.metadata.get("choices")
-        if choices:
-            for v in value if isinstance(value, list) else [value]:
-                if v not in choices:
-                    raise ConfigError(f"[{section}] {key}: {v!r} (from {origin}) is not one of: {', '.join(choices)}")
         setattr(getattr(config, section), key, value)
+        self._origins[(section, key)] = origin
+
+    def _check_choices(self, config: JobConfig) -> None:
+        """Every field with a choice set holds one of its choices (the message names where the value came from)."""
+        for section, cls in self.sections.items():
+            for f in dataclasses.fields(cls):
+                choices = f.metadata.get("choices")
+                value = getattr(getattr(config, section), f.name)
+                for v in (value if isinstance(value, list) else [value]) if choices else []:
+                    if v not in choices:
+                        origin = self._origins.get((section, f.name), "the default")
+                        raise ConfigError(
+                            f"[{section}] {f.name}: {v!r} (from {origin}) is not one of: {', '.join(choices)} "
+                            f"({f.name}: {f.metadata['doc']})"
+                        )

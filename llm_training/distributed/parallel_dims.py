@@ -8,9 +8,10 @@ ranks FSDP2 shards the dense parameters over; cp ranks see different tokens of t
 they also hold different parameter shards, as in torchtitan).
 
 Expert parallelism is carved out of the dp_shard x cp ranks (ARCHITECTURE.md §5): the experts are split
-over `ep` consecutive ranks of that group and FSDP-sharded over the remaining dp_shard*cp/ep ones. That
-is a second mesh over the same ranks, `ep_mesh`, with dims ("dp_replicate", "dp_shard_mod_ep", "ep").
-(Design borrowed from torchtitan's ParallelDims; see THIRD_PARTY_NOTICES.md.)
+over `ep` consecutive ranks of that group (`ep_rank` is the rank arithmetic) and FSDP-sharded over the
+remaining dp_shard*cp/ep ones. Its mesh (dims "dp_replicate", "dp_shard_mod_ep", "ep") is built by the
+expert-parallel code when that exists; until then `ep > 1` is rejected by config validation, and no mesh
+is built that nothing uses. (Design borrowed from torchtitan's ParallelDims; see THIRD_PARTY_NOTICES.md.)
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from llm_training.config.errors import ConfigError
+from llm_training.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp")
-EP_MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep")
 
 
 @dataclass
@@ -38,7 +38,6 @@ class ParallelDims:
     world_size: int
     # Set by build_mesh(); None in a single process without a process group (nothing to shard over).
     world_mesh: "DeviceMesh | None" = field(default=None, init=False, repr=False, compare=False)
-    ep_mesh: "DeviceMesh | None" = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = {
@@ -139,16 +138,14 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ meshes
     def build_mesh(self, device_type: str) -> "DeviceMesh":
-        """Create the world mesh (and the EP mesh); needs an initialized default process group."""
+        """Create the world mesh; needs an initialized default process group. Called once per process, by
+        `distributed.utils.setup_distributed`."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self.world_mesh is not None:
+            raise RuntimeError("ParallelDims.build_mesh called twice: the mesh is built once, at setup")
         mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp), mesh_dim_names=MESH_DIMS)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         self.world_mesh = mesh
-        self.ep_mesh = init_device_mesh(
-            device_type,
-            (self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep),
-            mesh_dim_names=EP_MESH_DIMS,
-        )
         return mesh

@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from llm_training.layers.attention_backends import get_attention_backend
+from llm_training.layers.attention_backends import AttentionMetadata, build_attention_metadata, get_attention_backend
 from llm_training.layers.norms import RMSNorm
+from llm_training.layers.projection import Fp32Projection
 from llm_training.layers.rope import RotaryEmbedding, apply_rope_interleaved
 
 
@@ -39,7 +39,8 @@ class GDLAttention(nn.Module):
         self.window: Optional[int] = args.sliding_window if sliding else None
         self.softmax_scale = softmax_scale
         self.rope = rope
-        self.kernel = get_attention_backend(attention_backend)
+        self.attention_backend = attention_backend
+        self.kernel = get_attention_backend(attention_backend).kernel
         self.init_std, self.lambda_init, self.gate_init = args.initializer_range, args.lambda_init, args.gate_init
         self.record_max_logits = False
         self.max_logits: Optional[torch.Tensor] = None  # [n_h] fp32 after a recording forward
@@ -55,7 +56,7 @@ class GDLAttention(nn.Module):
         self.wkv_a = nn.Linear(H, self.kv_lora_rank + self.d_rope, bias=False)
         self.kv_norm = RMSNorm(self.kv_lora_rank, args.rms_norm_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, self.n_kv_heads * (self.d_nope + self.d_v), bias=False)
-        self.lambda_proj = nn.Linear(H, self.n_sig, bias=False)
+        self.lambda_proj = Fp32Projection(H, self.n_sig)
         self.wo = nn.Linear(self.n_sig * self.d_v, H, bias=False)
 
     def init_weights(self) -> None:
@@ -72,9 +73,13 @@ class GDLAttention(nn.Module):
                 nn.init.normal_(linear.weight, mean=0.0, std=self.init_std)
 
     def forward(
-        self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor, document_ids_BS: Optional[torch.Tensor] = None
+        self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor, metadata: Optional[AttentionMetadata] = None
     ) -> torch.Tensor:
+        """`metadata`: the forward's shared AttentionMetadata (document ids, prebuilt masks); None when the
+        layer runs on its own (one document per row), in which case it builds its own."""
         B, S, _ = x_BSH.shape
+        if metadata is None:
+            metadata = build_attention_metadata(self.attention_backend, None, [self.window], B, S, x_BSH.device)
         cos, sin = self.rope.cos_sin(position_ids_BS)
 
         c_q = self.q_norm(self.wq_a(x_BSH))  # [B, S, q_lora]
@@ -94,12 +99,12 @@ class GDLAttention(nn.Module):
             v.contiguous(),
             scale=self.softmax_scale,
             window=self.window,
-            document_ids=document_ids_BS,
+            metadata=metadata,
             record_max_logits=self.record_max_logits,
         )
         self.max_logits = max_logits.detach().float() if max_logits is not None else None
 
-        lam = torch.sigmoid(F.linear(x_BSH.float(), self.lambda_proj.weight.float()))  # fp32 [B, S, n_sig]
+        lam = torch.sigmoid(self.lambda_proj(x_BSH))  # fp32 [B, S, n_sig]
         gate_logits = self.wq_b_gate(c_q) if self.wq_b_gate is not None else None
         y = grouped_differential(
             out.view(B, S, self.n_noise, self.r + 1, self.d_v), lam.view(B, S, self.n_noise, self.r), gate_logits

@@ -1,28 +1,55 @@
-"""Attention kernels behind one interface, and the registry keyed by `[model] attention_backend`.
+"""Attention kernels behind one interface, the per-forward attention metadata, and the registry keyed by
+`[model] attention_backend` (the config's choices are exactly this registry's names).
 
 Every kernel has the signature
 
-    kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, record_max_logits)
+    kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits)
         -> (out_BSHE, max_logits_H or None)
 
 q: [B, S, Hq, Dqk]; k: [B, S, Hkv, Dqk]; v: [B, S, Hkv, Dv] with Hq a multiple of Hkv (query head h uses
 KV head h // (Hq / Hkv)). Attention is causal; with `window = W` key j is visible to query i iff
-i - W <= j <= i (W + 1 keys including self); with `document_ids` [B, S], a key is visible only inside the
-query's document. `max_logits` is the fp32 per-query-head max over batch and positions of the scaled
+i - W <= j <= i (W + 1 keys including self); with `metadata.document_ids` [B, S], a key is visible only inside
+the query's document. `max_logits` is the fp32 per-query-head max over batch and positions of the scaled
 pre-softmax logit q.k * scale over visible pairs (for QK-clip), or None when not requested.
 
-Adding a backend = one function with that signature + one entry in `ATTENTION_BACKENDS`.
+`AttentionMetadata` is built ONCE per model forward from the batch's document ids (`build_attention_metadata`,
+outside any compiled region) and passed down to every layer: the document ids and whatever the backend
+precomputes from them (FlexAttention block masks, one per window the model uses). Nothing is cached in
+module globals, so torch.compile and context parallelism see every input of the attention call.
+
+Adding a backend = a kernel with that signature + an `AttentionBackend` entry in `ATTENTION_BACKENDS` saying
+which (window, documents, device) cases use FlexAttention block masks.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 AttentionKernel = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """What all attention layers of one forward share: `document_ids` [B, S] (None: every row is one
+    document) and the FlexAttention block masks the backend needs, keyed by window (None = full causal)."""
+
+    document_ids: Optional[torch.Tensor] = None
+    flex_block_masks: dict = field(default_factory=dict)
+
+    def flex_block_mask(self, window: Optional[int]):
+        try:
+            return self.flex_block_masks[window]
+        except KeyError:
+            raise RuntimeError(
+                f"no FlexAttention block mask for window {window} in this forward's AttentionMetadata (built for "
+                f"windows {sorted(self.flex_block_masks, key=str)}); build it with build_attention_metadata(...) "
+                "for every window the model uses"
+            ) from None
 
 
 # ---------------------------------------------------------------------------------------- masks
@@ -87,8 +114,9 @@ def chunked_max_logits(
 
 
 # ---------------------------------------------------------------------------------------- kernels
-def reference_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, record_max_logits):
+def reference_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits):
     """Explicit-mask softmax attention in fp32 (CPU or GPU); the ground truth for the other kernels."""
+    document_ids = metadata.document_ids
     Hq, Hkv = q_BSHD.shape[2], k_BSKD.shape[2]
     q = q_BSHD.float().transpose(1, 2)
     k = _repeat_kv(k_BSKD, Hq // Hkv).float().transpose(1, 2)
@@ -112,10 +140,11 @@ def _fused_sdpa_only():
     return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
 
 
-def sdpa_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, record_max_logits):
+def sdpa_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits):
     """torch SDPA: `is_causal` when there is neither a window nor documents (fused kernels only on CUDA:
     cuDNN for the GDLA shape), else an explicit boolean mask (whatever kernel torch picks).
     GQA through `enable_gqa` (torch >= 2.5; our floor is 2.11)."""
+    document_ids = metadata.document_ids
     q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKE))
     if window is None and document_ids is None:
         # The fused kernels take bf16/fp16 only; fp32 on CUDA (mixed_precision_param = "float32") keeps
@@ -133,22 +162,13 @@ def sdpa_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, recor
     return out.transpose(1, 2), max_logits
 
 
-# FlexAttention: block masks are cached for the current `document_ids` tensor (one per window / shape), so
-# the ~50 layers of one forward share them; a new document_ids tensor drops the old masks. The cache holds a
-# reference to the tensor, so the identity test is reliable.
-_flex_mask_cache: dict = {"document_ids": None, "masks": {}}
 _compiled_flex = None
 
 
-@torch.compiler.disable  # mask building + the Python cache stay eager inside a compiled block
-def _flex_block_mask(document_ids, window, B, S, device):
+@torch.compiler.disable  # mask building stays eager, outside any compiled block
+def flex_block_mask(document_ids: Optional[torch.Tensor], window: Optional[int], B: int, S: int, device):
+    """The FlexAttention BlockMask of causal + sliding-window (`window`) + document (`document_ids`) attention."""
     from torch.nn.attention.flex_attention import create_block_mask
-
-    if _flex_mask_cache["document_ids"] is not document_ids:
-        _flex_mask_cache["document_ids"], _flex_mask_cache["masks"] = document_ids, {}
-    key = (window, B, S, device)
-    if key in _flex_mask_cache["masks"]:
-        return _flex_mask_cache["masks"][key]
 
     def mask_mod(b, h, q_idx, kv_idx):
         visible = kv_idx <= q_idx
@@ -160,21 +180,18 @@ def _flex_block_mask(document_ids, window, B, S, device):
 
     # Long CUDA sequences: build the mask with torch.compile instead of materialising [B, S, S] booleans.
     compile_mask = torch.device(device).type == "cuda" and S >= 32768
-    block_mask = create_block_mask(
+    return create_block_mask(
         mask_mod, B if document_ids is not None else None, None, S, S, device=device, _compile=compile_mask
     )
-    _flex_mask_cache["masks"][key] = block_mask
-    return block_mask
 
 
-def flex_attention_kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, record_max_logits):
-    """FlexAttention with a causal + sliding-window + document block mask (compiled on CUDA; on CPU torch
-    runs it unfused and forward-only, which is enough for the tests)."""
+def flex_attention_kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits):
+    """FlexAttention with the metadata's causal + sliding-window + document block mask for `window` (compiled
+    on CUDA; on CPU torch runs it unfused and forward-only, which is enough for the tests)."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    B, S = q_BSHD.shape[:2]
-    block_mask = _flex_block_mask(document_ids, window, B, S, q_BSHD.device)
+    block_mask = metadata.flex_block_mask(window)
     fn = flex_attention
     if q_BSHD.is_cuda:
         if _compiled_flex is None:
@@ -184,44 +201,43 @@ def flex_attention_kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids
     out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
     max_logits = None
     if record_max_logits:
-        max_logits = chunked_max_logits(q_BSHD, k_BSKD, scale=scale, window=window, document_ids=document_ids)
+        max_logits = chunked_max_logits(q_BSHD, k_BSKD, scale=scale, window=window, document_ids=metadata.document_ids)
     return out.transpose(1, 2), max_logits
 
 
-def auto_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, record_max_logits):
+def _auto_uses_flex(window: Optional[int], has_documents: bool, device: torch.device) -> bool:
+    return device.type == "cuda" and (window is not None or has_documents)
+
+
+def auto_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits):
     """CUDA with a window or documents -> FlexAttention (SDPA would fall back to its math kernel for
     qk 192 / v 128 with a mask); otherwise SDPA (cuDNN for plain causal on GPU; CPU kernels on CPU)."""
-    if q_BSHD.is_cuda and (window is not None or document_ids is not None):
-        return flex_attention_kernel(
-            q_BSHD,
-            k_BSKD,
-            v_BSKE,
-            scale=scale,
-            window=window,
-            document_ids=document_ids,
-            record_max_logits=record_max_logits,
-        )
-    return sdpa_attention(
-        q_BSHD,
-        k_BSKD,
-        v_BSKE,
-        scale=scale,
-        window=window,
-        document_ids=document_ids,
-        record_max_logits=record_max_logits,
+    uses_flex = _auto_uses_flex(window, metadata.document_ids is not None, q_BSHD.device)
+    kernel = flex_attention_kernel if uses_flex else sdpa_attention
+    return kernel(
+        q_BSHD, k_BSKD, v_BSKE, scale=scale, window=window, metadata=metadata, record_max_logits=record_max_logits
     )
 
 
-ATTENTION_BACKENDS: dict[str, AttentionKernel] = {
-    "reference": reference_attention,
-    "sdpa": sdpa_attention,
-    "flex": flex_attention_kernel,
-    "auto": auto_attention,
+@dataclass(frozen=True)
+class AttentionBackend:
+    """A registered backend: its kernel, and which (window, has_documents, device) cases read a FlexAttention
+    block mask from the metadata (those masks are built once per forward by `build_attention_metadata`)."""
+
+    kernel: AttentionKernel
+    uses_flex: Callable[[Optional[int], bool, torch.device], bool] = lambda window, has_documents, device: False
+
+
+ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
+    "reference": AttentionBackend(reference_attention),
+    "sdpa": AttentionBackend(sdpa_attention),
+    "flex": AttentionBackend(flex_attention_kernel, lambda window, has_documents, device: True),
+    "auto": AttentionBackend(auto_attention, _auto_uses_flex),
 }
 
 
-def get_attention_backend(name: str) -> AttentionKernel:
-    """Look up a kernel by its `[model] attention_backend` name; the error lists what exists."""
+def get_attention_backend(name: str) -> AttentionBackend:
+    """Look up a backend by its `[model] attention_backend` name; the error lists what exists."""
     try:
         return ATTENTION_BACKENDS[name]
     except KeyError:
@@ -229,3 +245,23 @@ def get_attention_backend(name: str) -> AttentionKernel:
             f"unknown attention_backend {name!r}; available: {', '.join(sorted(ATTENTION_BACKENDS))} "
             "(set [model] attention_backend)"
         ) from None
+
+
+def build_attention_metadata(
+    backend: str,
+    document_ids_BS: Optional[torch.Tensor],
+    windows,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """The metadata of one forward: the document ids plus, for each window in `windows` (None = full causal)
+    that `backend` runs through FlexAttention on `device`, its block mask."""
+    uses_flex = get_attention_backend(backend).uses_flex
+    has_documents = document_ids_BS is not None
+    masks = {
+        window: flex_block_mask(document_ids_BS, window, batch_size, seq_len, device)
+        for window in windows
+        if uses_flex(window, has_documents, torch.device(device))
+    }
+    return AttentionMetadata(document_ids=document_ids_BS, flex_block_masks=masks)

@@ -16,11 +16,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from llm_training.layers.norms import RMSNorm
+from llm_training.layers.projection import Fp32Projection
 
 _SIGMOID_ARG_CLAMP = 10.0
 _SINKHORN_EXP_CLAMP = 20.0
@@ -53,9 +53,9 @@ class MHC(nn.Module):
         self.n, self.sinkhorn_iters, self.identity_init = n, sinkhorn_iters, identity_init
         self.h_post_alpha = h_post_alpha  # c_post = 1 + h_post_alpha; the trainer schedules it
         self.norm = RMSNorm(nh, eps)
-        self.proj_pre = nn.Linear(nh, n, bias=False)
-        self.proj_post = nn.Linear(nh, n, bias=False)
-        self.proj_res = nn.Linear(nh, n * n, bias=False)
+        self.proj_pre = Fp32Projection(nh, n)
+        self.proj_post = Fp32Projection(nh, n)
+        self.proj_res = Fp32Projection(nh, n * n)
         self.alpha_pre = nn.Parameter(torch.empty((), dtype=torch.float32))
         self.alpha_post = nn.Parameter(torch.empty((), dtype=torch.float32))
         self.alpha_res = nn.Parameter(torch.empty((), dtype=torch.float32))
@@ -96,9 +96,9 @@ class MHC(nn.Module):
 
     def _coefficients(self, x_BSnH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         flat = self.norm(x_BSnH.flatten(-2).float())  # fp32 [B, S, nH]
-        p = F.linear(flat, self.proj_pre.weight.float())
-        q = F.linear(flat, self.proj_post.weight.float())
-        r = F.linear(flat, self.proj_res.weight.float()).unflatten(-1, (self.n, self.n))
+        p = self.proj_pre(flat)
+        q = self.proj_post(flat)
+        r = self.proj_res(flat).unflatten(-1, (self.n, self.n))
         c = _SIGMOID_ARG_CLAMP
         h_pre = torch.sigmoid((self.alpha_pre * p + self.bias_pre).clamp(-c, c))
         h_post = (1.0 + self.h_post_alpha) * torch.sigmoid((self.alpha_post * q + self.bias_post).clamp(-c, c))

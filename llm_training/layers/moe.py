@@ -18,6 +18,7 @@ from torch import nn
 
 from llm_training.layers.ffn import FeedForward
 from llm_training.layers.norms import GroupedPolyNorm
+from llm_training.layers.projection import Fp32Projection
 
 
 class RouterStats(NamedTuple):
@@ -35,13 +36,13 @@ class TokenChoiceRouter(nn.Module):
         super().__init__()
         self.top_k, self.score_func = args.experts_top_k, args.score_func
         self.route_norm, self.route_scale = args.route_norm, args.route_scale
-        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.gate = Fp32Projection(args.hidden_size, args.num_experts)
 
     def init_weights(self, init_std: float) -> None:
         nn.init.normal_(self.gate.weight, mean=0.0, std=init_std)
 
     def forward(self, x_TH: torch.Tensor, expert_bias_E: torch.Tensor):
-        logits = F.linear(x_TH.float(), self.gate.weight.float())  # fp32 [T, E]
+        logits = self.gate(x_TH)  # fp32 [T, E]
         scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
         _, expert_ids = torch.topk(scores.detach() + expert_bias_E, self.top_k, dim=-1)  # bias: selection only
         weights = scores.gather(-1, expert_ids)
@@ -241,24 +242,20 @@ def sequence_balance_loss(
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, tokens_per_expert_list, coeff: float, process_group=None) -> None:
-    """Aux-loss-free balancing, after the optimizer step: for each MoE layer (in model order, matching
-    `out.router_stats`), all-reduce (SUM) the token counts over `process_group` when given, then
-    b += coeff * sign(mean(c) - c) in fp32."""
+def update_expert_bias(model: nn.Module, global_tokens_per_expert_LE: torch.Tensor, coeff: float) -> None:
+    """Aux-loss-free balancing, after the optimizer step: for each MoE layer l (in model order, matching
+    `out.router_stats`), b_l += coeff * sign(mean(c_l) - c_l) in fp32, where c_l are the token counts of the
+    whole step over ALL ranks (the trainer reduces them once per step; layers issue no collectives)."""
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    counts_list = list(tokens_per_expert_list)
-    if len(moes) != len(counts_list):
+    counts = global_tokens_per_expert_LE
+    if counts.dim() != 2 or len(moes) != counts.shape[0]:
         raise ValueError(
-            f"update_expert_bias: model has {len(moes)} MoE layers but got {len(counts_list)} "
-            "token-count tensors (pass [s.tokens_per_expert for s in out.router_stats])"
+            f"update_expert_bias: model has {len(moes)} MoE layers but got token counts of shape "
+            f"{tuple(counts.shape)} (expected [{len(moes)}, num_experts], stacked from out.router_stats)"
         )
     if not moes:
         return
-    counts = torch.stack([c.detach().float().to(moes[0].expert_bias.device) for c in counts_list])  # [L, E]
-    if process_group is not None:
-        import torch.distributed as dist
-
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=process_group)
+    counts = counts.detach().float().to(moes[0].expert_bias.device)
     delta = coeff * torch.sign(counts.mean(dim=-1, keepdim=True) - counts)
     for moe, d in zip(moes, delta):
         moe.expert_bias.add_(d.to(moe.expert_bias.device))

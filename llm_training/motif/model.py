@@ -15,13 +15,15 @@ import torch
 from torch import nn
 
 from llm_training.layers.attention import GDLAttention
+from llm_training.layers.attention_backends import AttentionMetadata, build_attention_metadata
 from llm_training.layers.ffn import FeedForward
 from llm_training.layers.mhc import MHC
 from llm_training.layers.moe import MoE, RouterStats
 from llm_training.layers.norms import RMSNorm
+from llm_training.layers.projection import OutputHead
 from llm_training.layers.rope import RotaryEmbedding, build_rotary_embeddings
 from llm_training.motif.args import Motif3ModelArgs, is_moe_layer, is_sliding_layer
-from llm_training.motif.mtp import MTPModule
+from llm_training.motif.mtp import MTPModule, mtp_inputs
 
 
 @dataclass
@@ -34,11 +36,14 @@ class Motif3Output:
     mtp_hidden: list  # per MTP module [B, S, H] (input of lm_head)
     router_stats: list  # per MoE layer RouterStats
     balance_loss: torch.Tensor  # 0-dim; sum of the sequence-wise balance losses (0 when disabled)
+    # per attention layer (trunk then MTP) fp32 [n_h] max scaled logits when recording is on (QK-clip), else None
+    max_logits: Optional[list] = None
 
 
 class TransformerBlock(nn.Module):
-    """One trunk block. forward(x, position_ids, document_ids) -> (x, RouterStats or None), where x is the
-    stream tensor [B, S, n, H] with mHC or the plain residual [B, S, H] without."""
+    """One trunk block. forward(x, position_ids, metadata) -> (x, RouterStats or None), where x is the
+    stream tensor [B, S, n, H] with mHC or the plain residual [B, S, H] without, and metadata the forward's
+    AttentionMetadata."""
 
     def __init__(
         self,
@@ -95,13 +100,13 @@ class TransformerBlock(nn.Module):
             return self.moe(x_BSH)
         return self.mlp(x_BSH), None
 
-    def forward(self, x: torch.Tensor, position_ids_BS: torch.Tensor, document_ids_BS: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, position_ids_BS: torch.Tensor, metadata: Optional[AttentionMetadata] = None):
         if self.mhc_attn is None:
-            x = x + self.self_attn(self.input_layernorm(x), position_ids_BS, document_ids_BS)
+            x = x + self.self_attn(self.input_layernorm(x), position_ids_BS, metadata)
             y, stats = self._ffn(self.post_attention_layernorm(x))
             return x + y, stats
         h_pre, h_post, h_res = self.mhc_attn.coefficients(x)
-        y = self.self_attn(self.input_layernorm(MHC.collapse(x, h_pre)), position_ids_BS, document_ids_BS)
+        y = self.self_attn(self.input_layernorm(MHC.collapse(x, h_pre)), position_ids_BS, metadata)
         x = MHC.update(x, h_res, h_post, y)
         h_pre, h_post, h_res = self.mhc_ffn.coefficients(x)
         y, stats = self._ffn(self.post_attention_layernorm(MHC.collapse(x, h_pre)))
@@ -124,10 +129,13 @@ class Motif3Model(nn.Module):
             TransformerBlock(args, i, rope_full, rope_sliding, attention_backend) for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(H, args.rms_norm_eps)
-        self.lm_head = nn.Linear(H, args.vocab_size, bias=False)
+        self.lm_head = OutputHead(H, args.vocab_size)
         self.mtp_layers = nn.ModuleList(
             MTPModule(args, rope_sliding, attention_backend) for _ in range(args.num_nextn_predict_layers)
         )
+        self.attention_backend = attention_backend
+        self._attention = [m for m in self.modules() if isinstance(m, GDLAttention)]  # trunk then MTP, model order
+        self.attention_windows = sorted({m.window for m in self._attention}, key=lambda w: -1 if w is None else w)
 
     # ------------------------------------------------------------------ init / knobs
     @torch.no_grad()
@@ -166,18 +174,28 @@ class Motif3Model(nn.Module):
         input_ids: torch.Tensor,
         position_ids: Optional[torch.Tensor] = None,
         document_ids: Optional[torch.Tensor] = None,
+        mtp_input_ids: Optional[list] = None,
         return_hidden: bool = False,
     ) -> Motif3Output:
+        """input_ids / position_ids / document_ids: [B, S]; `mtp_input_ids`: per MTP module k the ids it embeds,
+        [B, S] each (the trainer's prepared batch carries them, sliced like every other [B, S] tensor;
+        default: `mtp.mtp_inputs(input_ids)`). The attention metadata (document mask data) is built here,
+        once per forward, and handed to every layer."""
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
+        if mtp_input_ids is None:
+            mtp_input_ids = mtp_inputs(input_ids, len(self.mtp_layers))
+        metadata = build_attention_metadata(
+            self.attention_backend, document_ids, self.attention_windows, B, S, input_ids.device
+        )
         embedded = self.embed_tokens(input_ids)
         x = embedded
         if self.args.mhc_enabled:  # copy the embedding into n streams: [B, S, n, H]
             x = embedded.unsqueeze(2).expand(B, S, self.args.mhc_expansion_rate, -1).contiguous()
         router_stats = []
         for layer in self.layers:
-            x, stats = layer(x, position_ids, document_ids)
+            x, stats = layer(x, position_ids, metadata)
             if stats is not None:
                 router_stats.append(stats)
         if self.args.mhc_enabled:
@@ -186,14 +204,15 @@ class Motif3Model(nn.Module):
 
         mtp_hidden = []
         h = hidden if self.args.mtp_feeds_post_norm_hidden else x
-        for k, mtp in enumerate(self.mtp_layers):
-            shift = k + 1  # module k reads t_{i+k+1}; the last positions have no target, any valid id works
-            ids = torch.cat([input_ids[:, shift:], input_ids[:, -1:].expand(B, min(shift, S))], dim=1)[:, :S]
-            h = mtp(h, self.embed_tokens(ids), position_ids, document_ids)
+        for mtp, ids in zip(self.mtp_layers, mtp_input_ids, strict=True):
+            h = mtp(h, self.embed_tokens(ids), position_ids, metadata)
             mtp_hidden.append(h)
 
         losses = [s.balance_loss for s in router_stats if s.balance_loss is not None]
         balance_loss = torch.stack(losses).sum() if losses else torch.zeros((), device=hidden.device)
+        max_logits = None
+        if any(m.record_max_logits for m in self._attention):
+            max_logits = [m.max_logits for m in self._attention]
         return Motif3Output(
             logits=None if return_hidden else self.lm_head(hidden),
             hidden=hidden,
@@ -201,4 +220,5 @@ class Motif3Model(nn.Module):
             mtp_hidden=mtp_hidden,
             router_stats=router_stats,
             balance_loss=balance_loss,
+            max_logits=max_logits,
         )

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from llm_training.layers.attention import GDLAttention
+from llm_training.layers.attention_backends import AttentionMetadata
 from llm_training.layers.ffn import FeedForward
 from llm_training.layers.norms import RMSNorm
 from llm_training.layers.rope import RotaryEmbedding
@@ -57,10 +58,22 @@ class MTPModule(nn.Module):
         hidden_BSH: torch.Tensor,
         embedded_BSH: torch.Tensor,
         position_ids_BS: torch.Tensor,
-        document_ids_BS: Optional[torch.Tensor] = None,
+        metadata: Optional[AttentionMetadata] = None,
     ) -> torch.Tensor:
         """hidden: the previous hidden at position i; embedded: embed(t_{i+k+1}). Returns final-normed [B, S, H]."""
         x = self.input_proj(torch.cat([hidden_BSH, self.embed_norm(embedded_BSH)], dim=-1))
-        x = x + self.self_attn(self.input_layernorm(x), position_ids_BS, document_ids_BS)
+        x = x + self.self_attn(self.input_layernorm(x), position_ids_BS, metadata)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return self.final_layernorm(x)
+
+
+def mtp_inputs(input_ids_BS: torch.Tensor, num_mtp: int) -> list[torch.Tensor]:
+    """The token ids MTP module k (0-based) embeds at position i: t_{i+k+1}, [B, S] each. The last k+1
+    positions have no such token (and no target); they repeat the row's last id (any valid id would do)."""
+    B, S = input_ids_BS.shape
+    out = []
+    for k in range(num_mtp):
+        shift = k + 1
+        tail = input_ids_BS[:, -1:].expand(B, min(shift, S))
+        out.append(torch.cat([input_ids_BS[:, shift:], tail], dim=1)[:, :S])
+    return out

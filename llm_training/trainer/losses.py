@@ -150,20 +150,10 @@ def shift_labels(labels_BS: torch.Tensor, shift: int, document_ids_BS: torch.Ten
     return out
 
 
-def mtp_labels(
-    labels_BS: torch.Tensor, num_mtp: int, document_ids_BS: torch.Tensor | None = None
-) -> list[torch.Tensor]:
-    """Targets of MTP module k (0-based): the next-token labels shifted by k + 1 more positions."""
-    return [shift_labels(labels_BS, k + 1, document_ids_BS) for k in range(num_mtp)]
-
-
-def count_labelled_tokens(
-    labels_BS: torch.Tensor, num_mtp: int, document_ids_BS: torch.Tensor | None = None
-) -> torch.Tensor:
-    """[1 + num_mtp] float64 counts of labelled tokens: main CE, then each MTP module's targets."""
-    counts = [(labels_BS != IGNORE_INDEX).sum()]
-    counts += [(y != IGNORE_INDEX).sum() for y in mtp_labels(labels_BS, num_mtp, document_ids_BS)]
-    return torch.stack(counts).to(torch.float64)
+def count_labelled_tokens(targets: list[torch.Tensor]) -> torch.Tensor:
+    """float64 [len(targets)] counts of labelled (!= -100) tokens of each target tensor (main CE, then each MTP
+    module's targets: `PreparedBatch.targets()`)."""
+    return torch.stack([(y != IGNORE_INDEX).sum() for y in targets]).to(torch.float64)
 
 
 @dataclass
@@ -180,19 +170,19 @@ def micro_batch_loss(
     out,
     lm_head_weight: torch.Tensor,
     labels_BS: torch.Tensor,
+    mtp_labels: list[torch.Tensor],
     normalisers: torch.Tensor,
     mtp_loss_weight: float,
     balance_scale: float,
     chunk_tokens: int | None = None,
     compiled: bool = False,
-    document_ids_BS: torch.Tensor | None = None,
 ) -> StepLoss:
     """CE/N_main + mtp_loss_weight * mean_k(MTP_k/N_k) + balance_scale * out.balance_loss.
 
-    `out` is the model output of `forward(..., return_hidden=True)`; `normalisers` the global labelled
-    token counts from `count_labelled_tokens` summed over micro-batches and data ranks (clamped >= 1);
-    `balance_scale` = 1 / (micro-batches x data ranks), so the balance term adds up to its global mean.
-    `document_ids_BS` keeps MTP targets inside their packed document (pass the same to the counts).
+    `out` is the model output of `forward(..., return_hidden=True)`; `mtp_labels[k]` the targets of MTP module k
+    (`PreparedBatch.mtp_labels`, already masked per document); `normalisers` the global labelled token counts
+    from `count_labelled_tokens` summed over micro-batches and data ranks (clamped >= 1); `balance_scale` =
+    1 / (micro-batches x data ranks), so the balance term adds up to its global mean.
     """
     norms = normalisers.clamp(min=1).float()
     ce = linear_cross_entropy_sum(out.hidden, lm_head_weight, labels_BS, chunk_tokens, compiled=compiled) / norms[0]
@@ -202,7 +192,7 @@ def micro_batch_loss(
     if mtp_hidden:
         terms = [
             linear_cross_entropy_sum(h, lm_head_weight, y, chunk_tokens, compiled=compiled) / norms[k + 1]
-            for k, (h, y) in enumerate(zip(mtp_hidden, mtp_labels(labels_BS, len(mtp_hidden), document_ids_BS)))
+            for k, (h, y) in enumerate(zip(mtp_hidden, mtp_labels, strict=True))
         ]
         mtp = torch.stack(terms).mean()
         total = total + mtp_loss_weight * mtp

@@ -46,18 +46,6 @@ def peak_bf16_flops(device: torch.device) -> float | None:
     return None
 
 
-def expert_load_imbalance(tokens_per_expert: list[torch.Tensor]) -> float | None:
-    """max / mean tokens per expert of the worst MoE layer (1.0 = perfectly balanced)."""
-    worst = None
-    for counts in tokens_per_expert:
-        c = counts.detach().double()
-        if c.numel() == 0 or c.sum() <= 0:
-            continue
-        ratio = float(c.max() / c.mean())
-        worst = ratio if worst is None else max(worst, ratio)
-    return worst
-
-
 def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 

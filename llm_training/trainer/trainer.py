@@ -2,7 +2,10 @@
 forward -> loss -> backward per micro-batch -> grad clip -> Muon/AdamW step -> QK-clip -> expert-bias
 update -> LR step -> metrics -> checkpoint (interval, SIGTERM/SIGINT, end).
 
-Entry point for `llm_training/train.py`: `llm_training.trainer.train(job_config, parallel_dims)`.
+Entry point for `llm_training/train.py`: `llm_training.trainer.train(job_config, parallel_dims, device)`, after
+`llm_training.distributed.utils.setup_distributed` resolved the device, the process group and the mesh (once).
+The model family is reached only through its spec (`llm_training.motif.spec.MOTIF3_SPEC`): build, parallelize,
+optimizer grouping, state-dict adapter and the per-step hooks.
 
 Fault handling:
   * non-finite loss or gradient norm (one flag, agreed by all ranks): the step is skipped (grads zeroed, no
@@ -28,9 +31,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from llm_training.config import ConfigError, grad_accumulation_steps, to_toml
-from llm_training.motif import get_flavor
-from llm_training.motif.state_dict_adapter import hf_config_from_args
+from llm_training.config import grad_accumulation_steps, to_toml
+from llm_training.distributed.utils import all_reduce_, clip_grad_norm_, rank, world_size
+from llm_training.model_spec import StepStat
+from llm_training.motif import param_counts, training_flops_per_token
+from llm_training.motif.spec import MOTIF3_SPEC
+from llm_training.quantization import apply_converters
+from llm_training.trainer.batch import PreparedBatch, prepare_batch
 from llm_training.trainer.checkpoint import (
     BlobState,
     CheckpointManager,
@@ -39,9 +46,8 @@ from llm_training.trainer.checkpoint import (
     rng_state,
     set_rng_state,
 )
-from llm_training.trainer.grad_clip import clip_grad_norm
 from llm_training.trainer.losses import count_labelled_tokens, micro_batch_loss
-from llm_training.trainer.metrics import MetricsLogger, StepRecord, expert_load_imbalance
+from llm_training.trainer.metrics import MetricsLogger, StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -134,56 +140,58 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+def accumulate_stats(total: dict[str, StepStat], new: dict[str, StepStat]) -> dict[str, StepStat]:
+    """Combine one micro-batch's statistics into the step's: elementwise sum or max, per each stat's op."""
+    for name, stat in new.items():
+        if name not in total:
+            total[name] = stat
+        else:
+            combine = torch.add if stat.op == "sum" else torch.maximum
+            total[name] = StepStat(combine(total[name].value, stat.value), stat.op)
+    return total
 
 
-def _all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-    return t
+def all_reduce_step(sums: torch.Tensor, stats: dict[str, StepStat]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Reduce the step's numbers over all ranks in at most two collectives: `sums` (float64 [N]: losses and flags)
+    plus every "sum" stat in one SUM all-reduce, every "max" stat in one MAX all-reduce. Values travel as float64
+    (exact for fp32 and for integer counts) and come back in each stat's dtype."""
+    reduced: dict[str, torch.Tensor] = {}
+    for op, dist_op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX)):
+        names = [n for n, s in stats.items() if s.op == op]
+        parts = [stats[n].value.reshape(-1).to(torch.float64) for n in names]
+        if op == "sum":
+            parts = [sums.to(torch.float64), *parts]
+        if not parts:
+            continue
+        flat = all_reduce_(torch.cat(parts), op=dist_op)
+        if op == "sum":
+            sums, flat = flat[: sums.numel()], flat[sums.numel() :]
+        for n, piece in zip(names, flat.split([stats[n].value.numel() for n in names])):
+            reduced[n] = piece.view_as(stats[n].value).to(stats[n].value.dtype)
+    return sums, reduced
 
 
 class Trainer:
-    """Builds everything for `job_config` on this rank; `fit()` runs the loop."""
+    """Builds everything for `job_config` on this rank (the process group and mesh already set up, on `device`);
+    `fit()` runs the loop."""
 
-    def __init__(self, job_config, parallel_dims):
+    def __init__(self, job_config, parallel_dims, device: torch.device):
         from llm_training.data import build_dataloader, build_tokenizer
-        from llm_training.motif.model import Motif3Model
-        from llm_training.motif.parallelize import parallelize_motif
-        from llm_training.train import resolve_device
         from llm_training.trainer.optim import build_optimizers
 
         self.job_config = c = job_config
         self.parallel_dims = parallel_dims
-        self.device = resolve_device(c)
-        self._own_process_group = False
-        if self.device.type == "cuda" and not dist.is_initialized():
-            # A single-process GPU run still goes through FSDP2 (bf16 params, fp32 master weights).
-            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=self.device)
-            self._own_process_group = True
-        if dist.is_initialized() and parallel_dims.world_mesh is None:
-            parallel_dims.build_mesh(self.device.type)
-        self.rank = _rank()
+        self.device = device
+        self.spec = spec = MOTIF3_SPEC
+        self.rank = rank()
         self.dp_rank = parallel_dims.dp_rank(self.rank)
         self.dp_size = parallel_dims.dp_size
         self.accum = grad_accumulation_steps(c, self.dp_size)
         t = c.training
-        if t.global_batch_size != -1 and t.global_batch_size != t.local_batch_size * self.accum * self.dp_size:
-            raise ConfigError(
-                f"[training] global_batch_size ({t.global_batch_size}) must equal local_batch_size "
-                f"({t.local_batch_size}) x gradient accumulation x data-parallel size ({self.dp_size})"
-            )
-        if c.quantize.mode != "none":
-            raise ConfigError(f"[quantize] mode = {c.quantize.mode!r} is not wired into the trainer yet; use 'none'")
         _seed_everything(t.seed)
 
-        self.model_args = get_flavor(c.model.flavor)
-        if t.seq_len > self.model_args.max_seq_len:
-            raise ConfigError(
-                f"[training] seq_len = {t.seq_len} exceeds the max_seq_len {self.model_args.max_seq_len} of flavor "
-                f"{c.model.flavor!r}"
-            )
+        self.model_args = spec.get_flavor(c.model.flavor)
+        _log_model_summary(c.model.flavor, self.model_args, t.seq_len)
         self.tokenizer = build_tokenizer(c.model.tokenizer_path)
         self.dataloader = build_dataloader(c, self.tokenizer, self.dp_rank, self.dp_size)
 
@@ -193,25 +201,27 @@ class Trainer:
         # model is initialised first and FSDP2 then keeps each rank's rows of it (same weights as one process).
         init_full_first = self.device.type == "cpu"
         with torch.device(self.device if init_full_first else "meta"):
-            self.model = Motif3Model(self.model_args, attention_backend=c.model.attention_backend)
+            self.model = spec.build_model(self.model_args, c)
         if init_full_first:
             torch.manual_seed(t.seed)
             self.model.init_weights(buffer_device=self.device)
-        self.parallel = parallelize_motif(self.model, parallel_dims, c, self.device)
+        self.converters = apply_converters(self.model, c)  # low precision: before parallelization
+        self.parallel = spec.parallelize(self.model, parallel_dims, c, self.device)
         if not init_full_first:
             self.model.to_empty(device=self.device)
             torch.manual_seed(t.seed)
             self.model.init_weights(buffer_device=self.device)
         self.model.train()
 
-        self.optimizers = build_optimizers(self.model, c)  # Muon + AdamW container with .lr_scheduler
+        rules, forbidden = spec.optimizer_rules(c.optimizer)
+        self.optimizers = build_optimizers(self.model, c, rules, forbidden)  # Muon + AdamW, with .lr_scheduler
         self.lr_scheduler = self.optimizers.lr_scheduler
-        self.qk_clip_threshold = c.optimizer.qk_clip_threshold
+        self.hooks = spec.build_step_hooks(self.model, self.model_args, c)
+        self.num_mtp = spec.num_mtp_modules(self.model_args)
         self.compile_loss = c.compile.enable and "loss" in c.compile.components
-        self.model.set_record_max_logits(self.qk_clip_threshold > 0)
 
         self.run_folder = Path(c.run_folder)
-        self.train_state = TrainState(to_toml(c), _json(hf_config_from_args(self.model_args)))
+        self.train_state = TrainState(to_toml(c), _json(spec.state_dict_adapter.hf_config_from_args(self.model_args)))
         self.checkpointer = None
         if c.checkpoint.enable:
             self.checkpointer = CheckpointManager(
@@ -243,9 +253,7 @@ class Trainer:
             self._warn_if_lr_differs_from_checkpoint()
         elif ck.initial_load_path:
             if ck.initial_load_format == "hf":
-                from llm_training.motif.state_dict_adapter import load_hf_checkpoint
-
-                load_hf_checkpoint(self.model, ck.initial_load_path)
+                self.spec.state_dict_adapter.load_hf_checkpoint(self.model, ck.initial_load_path)
             else:
                 load_model_weights_dcp(self.model, ck.initial_load_path)
             logger.info("initial weights loaded from %s (%s)", ck.initial_load_path, ck.initial_load_format)
@@ -268,59 +276,45 @@ class Trainer:
             self.checkpointer.save(self.train_state.step, self.checkpoint_state(), blocking=blocking)
 
     # ------------------------------------------------------------------ one step
-    def _attention_modules(self):
-        return [m for m in self.model.modules() if hasattr(m, "record_max_logits")]
-
     def train_step(self, micro_batches: list[dict]) -> StepRecord:
+        """One optimizer step over `micro_batches` (the data loader's CPU batch dicts)."""
         t = self.job_config.training
         step = self.train_state.step
-        if hasattr(self.model, "set_mhc_progress"):
-            # Progress = optimizer steps taken so far / total (0 on the first step), from the LR scheduler's
-            # step count: it is checkpointed, so a resumed run sees the same schedule as an uninterrupted one.
-            self.model.set_mhc_progress(self.lr_scheduler.last_step / max(t.steps, 1))
-        n_mtp = len(self.model.mtp_layers)
-        normalisers = sum(count_labelled_tokens(mb["labels"], n_mtp, mb.get("document_ids")) for mb in micro_batches)
-        normalisers = _all_reduce(normalisers.to(self.device))
-        balance_scale = 1.0 / (len(micro_batches) * self.dp_size)
+        # Progress = optimizer steps taken so far / total (0 on the first step), from the LR scheduler's step
+        # count: it is checkpointed, so a resumed run sees the same schedule as an uninterrupted one.
+        self.hooks.begin_step(self.lr_scheduler.last_step / max(t.steps, 1))
+        batches = [prepare_batch(mb, self.num_mtp) for mb in micro_batches]
+        normalisers = sum(count_labelled_tokens(b.targets()) for b in batches)
+        normalisers = all_reduce_(normalisers.to(self.device))
+        balance_scale = 1.0 / (len(batches) * self.dp_size)
         parts = torch.zeros(4, dtype=torch.float64, device=self.device)  # total, ce, mtp, balance
-        tokens_per_expert = None
-        attn = self._attention_modules() if self.qk_clip_threshold > 0 else []
-        max_logits = [None] * len(attn)
-        for mb in micro_batches:
-            mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
-            out = self.model(mb["input_ids"], mb["position_ids"], mb["document_ids"], return_hidden=True)
+        stats: dict[str, StepStat] = {}
+        for cpu_batch in batches:
+            b: PreparedBatch = cpu_batch.map(lambda x: x.to(self.device, non_blocking=True))
+            out = self.model(b.input_ids, b.position_ids, b.document_ids, b.mtp_input_ids, return_hidden=True)
             loss = micro_batch_loss(
                 out,
-                self.model.lm_head.weight,
-                mb["labels"],
+                self.spec.head_weight(self.model),
+                b.labels,
+                b.mtp_labels,
                 normalisers,
                 t.mtp_loss_weight,
                 balance_scale,
                 compiled=self.compile_loss,
-                document_ids_BS=mb.get("document_ids"),
             )
-            counts = [s.tokens_per_expert for s in out.router_stats]
-            tokens_per_expert = (
-                counts if tokens_per_expert is None else [a + b for a, b in zip(tokens_per_expert, counts)]
-            )
-            for i, m in enumerate(attn):
-                if m.max_logits is not None:
-                    max_logits[i] = (
-                        m.max_logits if max_logits[i] is None else torch.maximum(max_logits[i], m.max_logits)
-                    )
+            accumulate_stats(stats, self.hooks.forward_stats(out))
             loss.total.backward()
             parts += torch.stack([loss.total.detach(), loss.ce, loss.mtp, loss.balance]).double()
-        for m, ml in zip(attn, max_logits):  # the max over all micro-batches is what QK-clip must see
-            m.max_logits = ml
         self.parallel.sync_replicated_grads()
-        # One all-reduce (SUM) for the losses and two flags: this rank saw a non-finite loss / a stop signal.
+        # One SUM all-reduce for the losses, two flags (this rank saw a non-finite loss / a stop signal) and the
+        # summed statistics; one MAX all-reduce for the max statistics.
         flags = [float(not bool(torch.isfinite(parts).all())), float(self.stop_signal.received is not None)]
-        reduced = _all_reduce(torch.cat([parts, torch.tensor(flags, dtype=torch.float64, device=self.device)]))
-        parts, any_nonfinite_loss, self._stop_requested = reduced[:4], bool(reduced[4] > 0), bool(reduced[5] > 0)
+        sums = torch.cat([parts, torch.tensor(flags, dtype=torch.float64, device=self.device)])
+        sums, global_stats = all_reduce_step(sums, stats)
+        parts, any_nonfinite_loss, self._stop_requested = sums[:4], bool(sums[4] > 0), bool(sums[5] > 0)
 
-        grad_norm = clip_grad_norm(list(self.model.parameters()), t.max_norm)
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), t.max_norm)
         nonfinite = any_nonfinite_loss or not math.isfinite(grad_norm)
-        qk_events = 0
         if nonfinite:
             self.optimizers.zero_grad()
             self.train_state.skipped_steps += 1
@@ -329,28 +323,13 @@ class Trainer:
                 "step %d: non-finite loss %.4g or grad norm %.4g: step skipped (%d in a row, %d in total)",
                 step, parts[0].item(), grad_norm, self.nonfinite_in_a_row, self.train_state.skipped_steps,
             )  # fmt: skip
+            model_metrics = self.hooks.after_step(global_stats, applied=False)
         else:
             self.nonfinite_in_a_row = 0
             self.optimizers.step()
-            if self.qk_clip_threshold > 0:
-                from llm_training.trainer.optim import apply_qk_clip
-
-                clipped = apply_qk_clip(
-                    self.model, self.qk_clip_threshold, dist.group.WORLD if dist.is_initialized() else None
-                )
-                qk_events = clipped.num_clipped_heads
-            if tokens_per_expert:
-                from llm_training.layers.moe import update_expert_bias
-
-                group = dist.group.WORLD if dist.is_initialized() else None
-                update_expert_bias(
-                    self.model, tokens_per_expert, self.model_args.load_balance_coeff, process_group=group
-                )
+            model_metrics = self.hooks.after_step(global_stats, applied=True)
             self.lr_scheduler.step()
             self.optimizers.zero_grad()
-        global_tpe = None
-        if tokens_per_expert:
-            global_tpe = _all_reduce(torch.stack(tokens_per_expert).clone())
         lr = self.lr_scheduler.get_last_lr()[0]
         return StepRecord(
             step=step,
@@ -362,9 +341,8 @@ class Trainer:
             lr=lr,
             tokens=t.local_batch_size * t.seq_len * len(micro_batches) * self.dp_size,
             step_time_s=0.0,
-            expert_imbalance=expert_load_imbalance(list(global_tpe)) if global_tpe is not None else None,
-            qk_clip_events=qk_events,
             skipped=nonfinite,
+            **model_metrics,
         )
 
     # ------------------------------------------------------------------ the loop
@@ -379,7 +357,7 @@ class Trainer:
             log_freq=c.metrics.log_freq,
             run_folder=self.run_folder,
             device=self.device,
-            world_size=dist.get_world_size() if dist.is_initialized() else 1,
+            world_size=world_size(),
             save_jsonl=c.metrics.save_jsonl,
             enable_wandb=c.metrics.enable_wandb,
             enable_tensorboard=c.metrics.enable_tensorboard,
@@ -466,10 +444,6 @@ class Trainer:
             logger.info("training finished at step %d.\n  %s", result.last_step, "\n  ".join(lines))
         return result
 
-    def close(self) -> None:
-        if self._own_process_group and dist.is_initialized():
-            dist.destroy_process_group()
-
 
 def _json(obj) -> str:
     import json
@@ -477,10 +451,22 @@ def _json(obj) -> str:
     return json.dumps(obj, sort_keys=True)
 
 
-def train(job_config, parallel_dims) -> TrainResult:
+def _log_model_summary(flavor: str, model_args, seq_len: int) -> None:
+    """Parameter counts and training FLOPs/token of the flavor (from the args)."""
+    counts = param_counts(model_args)
+    logger.info(
+        "model %s: total params %s (+ MTP %s), active params/token %s; training FLOPs/token at seq %d: "
+        "%.4g (megatron), %.4g (torchtitan)",
+        flavor,
+        f"{counts.total:,}",
+        f"{counts.mtp:,}",
+        f"{counts.active:,}",
+        seq_len,
+        training_flops_per_token(model_args, seq_len, "megatron"),
+        training_flops_per_token(model_args, seq_len, "torchtitan"),
+    )
+
+
+def train(job_config, parallel_dims, device: torch.device) -> TrainResult:
     """Build a Trainer for `job_config` and run it to the end (or to a stop signal)."""
-    trainer = Trainer(job_config, parallel_dims)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+    return Trainer(job_config, parallel_dims, device).fit()

@@ -80,9 +80,8 @@ def _worker(rank: int, world_size: int, port: int, results):
             # sum of global ranks over the dp group, through a real collective on that dim's group
             t = torch.tensor([float(rank)])
             dist.all_reduce(t, group=mesh["dp"].get_group())
-            ep_local = d.ep_mesh["ep"].get_local_rank()
             hsdp_shape = tuple(mesh["dp_replicate", "dp_shard_cp"].mesh.shape)  # the 2-D mesh HSDP uses
-            out.append((sizes, local, t.item(), ep_local, d.ep_mesh["ep"].size(), hsdp_shape))
+            out.append((sizes, local, t.item(), hsdp_shape))
         results[rank] = out
     finally:
         dist.destroy_process_group()
@@ -94,7 +93,7 @@ def test_meshes_on_two_gloo_ranks(free_port):
     results = manager.dict()
     mp.spawn(_worker, args=(world_size, free_port, results), nprocs=world_size, join=True)
     for rank in range(world_size):
-        for layout, (sizes, local, dp_sum, ep_local, ep_size, hsdp_shape) in zip(LAYOUTS, results[rank]):
+        for layout, (sizes, local, dp_sum, hsdp_shape) in zip(LAYOUTS, results[rank]):
             d = ParallelDims(world_size=world_size, **layout)
             assert sizes == {
                 "dp_replicate": d.dp_replicate,
@@ -106,5 +105,4 @@ def test_meshes_on_two_gloo_ranks(free_port):
             assert local == {"dp": d.dp_rank(rank), "cp": d.cp_rank(rank)}
             expected_sum = sum(r for r in range(world_size) if d.coords(r)[2] == d.coords(rank)[2])
             assert dp_sum == expected_sum
-            assert (ep_local, ep_size) == (d.ep_rank(rank), d.ep)
             assert hsdp_shape == (d.dp_replicate, d.dp_shard * d.cp)

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from llm_training.layers.attention import GDLAttention
-from llm_training.layers.attention_backends import ATTENTION_BACKENDS, chunked_max_logits, get_attention_backend
+from llm_training.layers.attention_backends import (
+    ATTENTION_BACKENDS,
+    build_attention_metadata,
+    chunked_max_logits,
+    get_attention_backend,
+)
 from llm_training.layers.rope import RotaryEmbedding, plain_inv_freq
 from llm_training.motif import get_flavor
 
@@ -37,6 +42,15 @@ def loop_attention(q, k, v, scale, window, docs):
     return out, max_logit
 
 
+def run_kernel(backend, q, k, v, *, scale, window, docs, record_max_logits=True):
+    """One kernel call with the metadata a model forward would build for it."""
+    B, S = q.shape[:2]
+    metadata = build_attention_metadata(backend, docs, [window], B, S, q.device)
+    return get_attention_backend(backend).kernel(
+        q, k, v, scale=scale, window=window, metadata=metadata, record_max_logits=record_max_logits
+    )
+
+
 @pytest.fixture
 def qkv():
     g = torch.Generator().manual_seed(0)
@@ -58,9 +72,7 @@ def test_kernels_match_loop(qkv, window, use_docs, backend):
     q, k, v, docs = qkv
     docs = docs if use_docs else None
     want, want_max = loop_attention(q, k, v, 0.37, window, docs)
-    got, got_max = get_attention_backend(backend)(
-        q, k, v, scale=0.37, window=window, document_ids=docs, record_max_logits=True
-    )
+    got, got_max = run_kernel(backend, q, k, v, scale=0.37, window=window, docs=docs)
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(got_max.double(), want_max, atol=2e-5, rtol=2e-5)
 
@@ -71,7 +83,7 @@ def test_window_sees_w_plus_one_keys():
     q = torch.zeros(1, S, 1, 4)
     k = torch.zeros(1, S, 1, 4)
     v = torch.eye(S).view(1, S, 1, S)
-    out, _ = get_attention_backend("sdpa")(q, k, v, scale=1.0, window=W, document_ids=None, record_max_logits=False)
+    out, _ = run_kernel("sdpa", q, k, v, scale=1.0, window=W, docs=None, record_max_logits=False)
     counts = (out[0, :, 0] > 0).sum(-1)
     assert counts.tolist() == [min(i + 1, W + 1) for i in range(S)]
 
@@ -150,7 +162,7 @@ def test_gdla_matches_spec_by_hand(sliding):
     x = torch.randn(B, S, args.hidden_size, dtype=torch.float64)
     pos = torch.tensor([list(range(4)) + list(range(6)), list(range(10))])
     docs = torch.tensor([[0] * 4 + [1] * 6, [0] * 10])
-    got = attn(x, pos, docs)
+    got = attn(x, pos, build_attention_metadata("reference", docs, [attn.window], B, S, x.device))
     want = gdla_by_hand(attn, x, pos, docs, theta)
     torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-4)  # the layer computes in fp32 inside
 
@@ -168,7 +180,8 @@ def test_gdla_sdpa_equals_reference_and_records_max_logits():
     docs = torch.tensor([[0] * 7 + [1] * 13, [3] * 20])
     for m in (ref, sdpa):
         m.record_max_logits = True
-    torch.testing.assert_close(sdpa(x, pos, docs), ref(x, pos, docs), atol=1e-5, rtol=1e-5)
+    meta = {name: build_attention_metadata(name, docs, [ref.window], 2, 20, x.device) for name in ("sdpa", "reference")}
+    torch.testing.assert_close(sdpa(x, pos, meta["sdpa"]), ref(x, pos, meta["reference"]), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(sdpa.max_logits, ref.max_logits, atol=1e-5, rtol=1e-5)
     assert ref.max_logits.shape == (args.num_attention_heads,) and ref.max_logits.dtype == torch.float32
 
@@ -198,3 +211,15 @@ def test_grouped_differential_gradients(with_gate):
     if with_gate:
         want = want * torch.sigmoid(gate).view(B, S, G, r, D)
     torch.testing.assert_close(grouped_differential(*args), want)
+
+
+def test_metadata_holds_flex_masks_only_where_the_backend_uses_them():
+    """Built once per forward: flex gets one block mask per window; auto on CPU and sdpa need none; a missing
+    window is a clear error, not a silent rebuild."""
+    docs = torch.tensor([[0] * 5 + [1] * 7])
+    flex = build_attention_metadata("flex", docs, [None, 3], 1, 12, torch.device("cpu"))
+    assert set(flex.flex_block_masks) == {None, 3} and flex.document_ids is docs
+    assert build_attention_metadata("auto", docs, [None, 3], 1, 12, torch.device("cpu")).flex_block_masks == {}
+    assert build_attention_metadata("sdpa", docs, [None, 3], 1, 12, torch.device("cpu")).flex_block_masks == {}
+    with pytest.raises(RuntimeError, match="no FlexAttention block mask for window 7"):
+        flex.flex_block_mask(7)

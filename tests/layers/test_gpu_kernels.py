@@ -4,7 +4,7 @@ bf16 grouped-GEMM experts (padded token groups) vs the per-expert loop."""
 import pytest
 import torch
 
-from llm_training.layers.attention_backends import get_attention_backend
+from llm_training.layers.attention_backends import build_attention_metadata, get_attention_backend
 from llm_training.layers.moe import MoE
 from llm_training.motif import get_flavor
 
@@ -26,11 +26,16 @@ def test_attention_backend_matches_reference_bf16(backend, window, docs):
     if docs:
         doc_ids = (torch.arange(S, device="cuda") >= 300).int() + (torch.arange(S, device="cuda") >= 700).int()
         doc_ids = doc_ids.expand(B, S).contiguous()
-    kw = dict(scale=192**-0.5, window=window, document_ids=doc_ids, record_max_logits=True)
-    out, mx = get_attention_backend(backend)(q, k, v, **kw)
+
+    def run(name):
+        metadata = build_attention_metadata(name, doc_ids, [window], B, S, q.device)
+        kernel = get_attention_backend(name).kernel
+        return kernel(q, k, v, scale=192**-0.5, window=window, metadata=metadata, record_max_logits=True)
+
+    out, mx = run(backend)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)
-    ref, ref_mx = get_attention_backend("reference")(q, k, v, **kw)
+    ref, ref_mx = run("reference")
     ref_grads = torch.autograd.grad(ref, (q, k, v), g)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(mx, ref_mx, atol=5e-2, rtol=2e-2)

@@ -153,7 +153,7 @@ def test_update_expert_bias_sign_rule():
                 m.init_weights(0.02)
 
     model = Two()
-    counts = [torch.tensor([10.0, 2.0, 6.0, 6.0]), torch.tensor([0.0, 0.0, 8.0, 0.0])]
+    counts = torch.tensor([[10.0, 2.0, 6.0, 6.0], [0.0, 0.0, 8.0, 0.0]])
     update_expert_bias(model, counts, 0.5)
     assert model.a.expert_bias.tolist() == [-0.5, 0.5, 0.0, 0.0]
     assert model.b.expert_bias.tolist() == [0.5, 0.5, -0.5, 0.5]

@@ -14,6 +14,7 @@ from llm_training.distributed import ParallelDims
 from llm_training.motif import get_flavor
 from llm_training.motif.model import Motif3Model
 from llm_training.motif.parallelize import parallelize_motif
+from llm_training.trainer.batch import prepare_batch
 from llm_training.trainer.losses import count_labelled_tokens, micro_batch_loss
 
 ARGS = get_flavor("motif3_debug").replace(num_hidden_layers=3, router_aux_loss_coef=0.01)
@@ -29,11 +30,15 @@ def _config(ac_mode="none"):
 
 
 def _batch():
+    """4 rows of 16 tokens, 2 packed documents per row, as the trainer prepares it (MTP inputs and targets)."""
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, ARGS.vocab_size, (4, 16), generator=g)
     labels = torch.cat([ids[:, 1:], torch.full((4, 1), -100)], dim=1)
     labels[0, :5] = -100
-    return ids, labels
+    labels[:, 9] = -100  # the last token of the first document predicts nothing
+    docs = (torch.arange(16) >= 10).long().expand(4, 16)
+    pos = torch.cat([torch.arange(10), torch.arange(6)]).expand(4, 16)
+    return prepare_batch({"input_ids": ids, "labels": labels, "position_ids": pos, "document_ids": docs}, 1)
 
 
 def _reference_model():
@@ -43,9 +48,9 @@ def _reference_model():
     return m
 
 
-def _loss_and_grads(model, ids, labels, normalisers, balance_scale):
-    out = model(ids, return_hidden=True)
-    loss = micro_batch_loss(out, model.lm_head.weight, labels, normalisers, 0.3, balance_scale)
+def _loss_and_grads(model, b, normalisers, balance_scale):
+    out = model(b.input_ids, b.position_ids, b.document_ids, b.mtp_input_ids, return_hidden=True)
+    loss = micro_batch_loss(out, model.lm_head.weight, b.labels, b.mtp_labels, normalisers, 0.3, balance_scale)
     loss.total.backward()
     return loss.total.detach()
 
@@ -58,6 +63,7 @@ def _worker(rank, world, port, path, dp_replicate=1):
         from torch.distributed.tensor import DTensor
 
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=-1, cp=1, ep=1, world_size=world)
+        dims.build_mesh("cpu")
         with torch.device("meta"):
             model = Motif3Model(ARGS)
         parallel = parallelize_motif(model, dims, _config(), torch.device("cpu"))
@@ -67,11 +73,10 @@ def _worker(rank, world, port, path, dp_replicate=1):
         # pure replication (dp_shard = 1) still needs FSDP2's gradient reduction (HSDP over a 1-rank shard dim)
         assert parallel.fsdp and isinstance(model.layers[0].self_attn.wq_b.weight, DTensor)
         assert not isinstance(model.layers[2].moe.router.gate.weight, DTensor)  # fp32, replicated
-        ids, labels = _batch()
-        mine = slice(2 * rank, 2 * rank + 2)
-        normalisers = count_labelled_tokens(labels[mine], 1)
+        mine = _batch().map(lambda t: t[2 * rank : 2 * rank + 2])
+        normalisers = count_labelled_tokens(mine.targets())
         dist.all_reduce(normalisers)
-        loss = _loss_and_grads(model, ids[mine], labels[mine], normalisers, 1.0 / world)
+        loss = _loss_and_grads(model, mine, normalisers, 1.0 / world)
         dist.all_reduce(loss)
         parallel.sync_replicated_grads()
         grads = {
@@ -89,8 +94,8 @@ def test_fsdp2_two_gloo_ranks_match_single_process(tmp_path, dp_replicate, free_
     mp.spawn(_worker, args=(2, free_port, str(path), dp_replicate), nprocs=2, join=True)
     got = torch.load(path)
     ref_model = _reference_model()
-    ids, labels = _batch()
-    ref_loss = _loss_and_grads(ref_model, ids, labels, count_labelled_tokens(labels, 1), 1.0)
+    b = _batch()
+    ref_loss = _loss_and_grads(ref_model, b, count_labelled_tokens(b.targets()), 1.0)
     torch.testing.assert_close(got["loss"], ref_loss, rtol=1e-5, atol=1e-6)
     for name, p in ref_model.named_parameters():
         torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
@@ -98,14 +103,14 @@ def test_fsdp2_two_gloo_ranks_match_single_process(tmp_path, dp_replicate, free_
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_keeps_values_grads_and_names(mode):
-    ids, labels = _batch()
-    norms = count_labelled_tokens(labels, 1)
+    b = _batch()
+    norms = count_labelled_tokens(b.targets())
     ref = _reference_model()
-    ref_loss = _loss_and_grads(ref, ids, labels, norms, 1.0)
+    ref_loss = _loss_and_grads(ref, b, norms, 1.0)
     model = _reference_model()
     parallelize_motif(model, ParallelDims(1, 1, 1, 1, 1), _config(mode), torch.device("cpu"))
     assert list(model.state_dict()) == list(ref.state_dict())
-    loss = _loss_and_grads(model, ids, labels, norms, 1.0)
+    loss = _loss_and_grads(model, b, norms, 1.0)
     torch.testing.assert_close(loss, ref_loss)
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=name)

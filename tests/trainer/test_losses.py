@@ -9,7 +9,6 @@ from llm_training.trainer.losses import (
     count_labelled_tokens,
     linear_cross_entropy_sum,
     micro_batch_loss,
-    mtp_labels,
     shift_labels,
 )
 
@@ -84,9 +83,7 @@ def test_shift_labels_and_mtp_targets():
     assert shift_labels(labels, 1).tolist() == [[2, 3, 4, -100, -100], [6, -100, 7, 8, -100]]
     assert shift_labels(labels, 2).tolist() == [[3, 4, -100, -100, -100], [-100, 7, 8, -100, -100]]
     assert shift_labels(labels, 7).tolist() == [[-100] * 5, [-100] * 5]
-    k1, k2 = mtp_labels(labels, 2)
-    assert torch.equal(k1, shift_labels(labels, 1)) and torch.equal(k2, shift_labels(labels, 2))
-    assert count_labelled_tokens(labels, 2).tolist() == [8.0, 6.0, 4.0]
+    assert count_labelled_tokens([labels, shift_labels(labels, 1), shift_labels(labels, 2)]).tolist() == [8, 6, 4]
 
 
 def test_mtp_targets_never_cross_packed_documents():
@@ -97,7 +94,7 @@ def test_mtp_targets_never_cross_packed_documents():
     # row 0: t=0 -> 2 (doc 0), t=1 -> -100, t=2 -> labels[3]=4 but doc 1 != 0 -> -100, t=3 -> -100
     # row 1: t=0 -> -100, t=1 -> labels[2]=7 but doc 1 != 0 -> -100, t=2 -> 8, t=3 -> -100
     assert shift_labels(labels, 1, docs).tolist() == [[2, -100, -100, -100, -100], [-100, -100, 8, -100, -100]]
-    assert count_labelled_tokens(labels, 1, docs).tolist() == [6.0, 2.0]
+    assert count_labelled_tokens([labels, shift_labels(labels, 1, docs)]).tolist() == [6.0, 2.0]
     # without document ids the cross-document targets would be kept
     assert shift_labels(labels, 1).tolist()[0][2] == 4
 
@@ -130,11 +127,11 @@ def test_accumulated_normalised_loss_equals_full_batch_mean():
     ref = ref_ce + w_mtp * ref_mtp
     ref.backward()
 
-    norms = count_labelled_tokens(labels[:2], 1) + count_labelled_tokens(labels[2:], 1)
+    norms = sum(count_labelled_tokens([labels[sl], y_mtp[sl]]) for sl in (slice(0, 2), slice(2, 4)))
     total = 0.0
     for i, sl in enumerate((slice(0, 2), slice(2, 4))):
         out = _Out(hidden[sl], [mtp_h[sl]], balance_per_mb[i])
-        loss = micro_batch_loss(out, weight, labels[sl], norms, w_mtp, balance_scale=0.5, chunk_tokens=5)
+        loss = micro_batch_loss(out, weight, labels[sl], [y_mtp[sl]], norms, w_mtp, balance_scale=0.5, chunk_tokens=5)
         loss.total.backward()
         total += loss.total.item()
     torch.testing.assert_close(total, ref.item() + 0.5, rtol=1e-5, atol=1e-6)  # + mean balance 0.5

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llm_training.motif import get_flavor, training_flops_per_token
-from llm_training.trainer.metrics import MetricsLogger, StepRecord, expert_load_imbalance, peak_bf16_flops
+from llm_training.trainer.metrics import MetricsLogger, StepRecord, peak_bf16_flops
 
 ARGS = get_flavor("motif3_debug")
 
@@ -46,12 +46,6 @@ def test_jsonl_records_and_throughput(tmp_path):
     assert first["mfu_megatron"] is None and first["mfu_torchtitan"] is None  # CPU: no peak
     assert second["skipped_steps"] == 1 and second["qk_clip_events"] == 1 and second["lr"] == 4e-3
     assert second["expert_imbalance_max_over_mean"] == 5.5 and second["eta_s"] == 0.0
-
-
-def test_expert_load_imbalance_is_worst_layer_max_over_mean():
-    layers = [torch.tensor([1.0, 1.0, 1.0, 1.0]), torch.tensor([4.0, 0.0, 2.0, 2.0])]
-    assert expert_load_imbalance(layers) == 2.0
-    assert expert_load_imbalance([torch.zeros(4)]) is None
 
 
 def test_peak_flops_cpu_is_none():

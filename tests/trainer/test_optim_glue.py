@@ -1,5 +1,5 @@
-"""Motif optimizer glue: grouping of the real model, build_optimizers from a JobConfig, DCP-style state dict
-round trip (optimizers + scheduler), and model-level QK-clip through `attn.max_logits`."""
+"""Optimizer glue: Motif's grouping of the real model (the spec's rules), build_optimizers from a JobConfig, and a
+DCP-style state dict round trip (optimizers + scheduler)."""
 
 import copy
 
@@ -10,7 +10,8 @@ from torch import nn
 from llm_training.config import ConfigManager
 from llm_training.motif import get_flavor
 from llm_training.motif.model import Motif3Model
-from llm_training.trainer.optim import apply_qk_clip, build_optimizers
+from llm_training.motif.optimizer_groups import motif_optimizer_rules
+from llm_training.trainer.optim import build_optimizers as _build_optimizers
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +24,11 @@ def debug_model():
 
 def _config(*overrides):
     return ConfigManager().parse_args(list(overrides))
+
+
+def build_optimizers(model, job_config):
+    """The trainer's call: the generic builder with Motif's grouping rules for this [optimizer] section."""
+    return _build_optimizers(model, job_config, *motif_optimizer_rules(job_config.optimizer))
 
 
 def _group_of(container):
@@ -130,78 +136,3 @@ def test_state_dict_round_trip(debug_model):
         o.step()
     for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda msg: f"{name}: {msg}")
-
-
-def _layer0_max_logits(model, input_ids):
-    model(input_ids)
-    return model.layers[0].self_attn.max_logits.clone()
-
-
-def test_model_level_qk_clip(debug_model):
-    model = copy.deepcopy(debug_model)
-    attn = model.layers[0].self_attn
-    attn.wq_b.weight.data.mul_(30.0)  # large logits so the clip has work to do
-    model.set_record_max_logits(True)
-    input_ids = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        before = _layer0_max_logits(model, input_ids)
-        tau = float(before.median())
-        over = before > tau
-        wq_before, wkv_before = attn.wq_b.weight.clone(), attn.wkv_b.weight.clone()
-        summary = apply_qk_clip(model, tau)
-        assert summary.per_layer["layers.0.self_attn"].num_clipped_heads == int(over.sum()) > 0
-        assert summary.num_clipped_heads >= int(over.sum())
-        # layer 0's input does not depend on any clipped weight, so its new logits are exactly predictable
-        after = _layer0_max_logits(model, input_ids)
-    torch.testing.assert_close(after[over], torch.full_like(after[over], tau), rtol=1e-4, atol=0)
-    torch.testing.assert_close(after[~over], before[~over], rtol=1e-4, atol=0)
-    assert torch.equal(attn.wkv_b.weight[-attn.d_v :], wkv_before[-attn.d_v :])  # value rows untouched
-    assert not torch.equal(attn.wq_b.weight, wq_before)
-
-
-class _TinyAttention(nn.Module):
-    """Carries the attributes apply_qk_clip reads from GDLAttention (layout, wq_b, wkv_b, max_logits)."""
-
-    def __init__(self):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.d_nope, self.d_rope, self.d_v = 4, 2, 3, 2, 2
-        gen = torch.Generator().manual_seed(0)
-        self.wq_b = nn.Linear(6, 4 * 5, bias=False)
-        self.wkv_b = nn.Linear(5, 2 * 5, bias=False)
-        with torch.no_grad():
-            self.wq_b.weight.copy_(torch.randn(20, 6, generator=gen))
-            self.wkv_b.weight.copy_(torch.randn(10, 5, generator=gen))
-        self.max_logits = None
-
-
-def _qk_worker(rank, world, port, expected_q, expected_kv):
-    import os
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        model = nn.Sequential(_TinyAttention())
-        logits = torch.full((4,), 10.0)
-        logits[rank] = 400.0 + 100 * rank  # each rank saw a different head blow up
-        model[0].max_logits = logits
-        summary = apply_qk_clip(model, 100.0, dist.group.WORLD)
-        assert summary.num_clipped_heads == 2 and summary.max_logit == 500.0
-        torch.testing.assert_close(model[0].wq_b.weight, expected_q, rtol=0, atol=0)
-        torch.testing.assert_close(model[0].wkv_b.weight, expected_kv, rtol=0, atol=0)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_qk_clip_reduces_max_logits_over_data_ranks(free_port):
-    import torch.multiprocessing as mp
-
-    from optimizer import QKLayout, qk_clip_
-
-    ref = _TinyAttention()
-    qk_clip_(ref.wq_b.weight.data, ref.wkv_b.weight.data, torch.tensor([400.0, 500.0, 10.0, 10.0]),
-             QKLayout(4, 2, 3, 2, 2), 100.0)  # fmt: skip
-    port = free_port
-    args = (2, port, ref.wq_b.weight.detach(), ref.wkv_b.weight.detach())
-    mp.start_processes(_qk_worker, args=args, nprocs=2, join=True, start_method="fork")

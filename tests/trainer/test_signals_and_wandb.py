@@ -10,6 +10,8 @@ import sys
 import textwrap
 import time
 
+import torch
+
 from llm_training.distributed import ParallelDims
 from llm_training.trainer import train
 from llm_training.trainer.checkpoint import complete_steps
@@ -19,6 +21,7 @@ DIMS = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
 _SCRIPT = textwrap.dedent(
     """
     import json, sys
+    import torch
     sys.path.insert(0, {tests_dir!r})
     from conftest import tiny_config
     from llm_training.distributed import ParallelDims
@@ -26,7 +29,7 @@ _SCRIPT = textwrap.dedent(
     from llm_training.trainer import train
     init_logging(0)
     cfg = tiny_config({dump!r}, "--training.steps=200", "--checkpoint.interval=1000", "--optimizer.name=adamw")
-    r = train(cfg, ParallelDims(1, -1, 1, 1, 1))
+    r = train(cfg, ParallelDims(1, -1, 1, 1, 1), torch.device("cpu"))
     print("RESULT", json.dumps({{"last_step": r.last_step, "stopped": r.stopped_by_signal}}))
     """
 )
@@ -87,6 +90,7 @@ def test_wandb_offline_logs_metrics_and_resumes_same_run(make_config, tmp_path, 
             "--training.steps=2", "--checkpoint.interval=1", "--metrics.enable_wandb", "--optimizer.name=adamw"
         ),
         DIMS,
+        torch.device("cpu"),
     )
     runs = sorted((first.run_folder / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
@@ -102,6 +106,7 @@ def test_wandb_offline_logs_metrics_and_resumes_same_run(make_config, tmp_path, 
             "--training.steps=3", "--checkpoint.interval=1", "--metrics.enable_wandb", "--optimizer.name=adamw"
         ),
         DIMS,
+        torch.device("cpu"),
     )
     assert second.start_step == 2
     runs = sorted((first.run_folder / "wandb").glob("offline-run-*"))

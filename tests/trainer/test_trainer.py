@@ -13,6 +13,7 @@ from llm_training.trainer import NonFiniteLossError, Trainer, train
 from llm_training.trainer.checkpoint import complete_steps
 
 DIMS = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
+CPU = torch.device("cpu")
 
 
 class _Crash(Exception):
@@ -32,16 +33,16 @@ def _crash_at_step(trainer, step):
 def test_stop_and_resume_reproduces_uninterrupted_losses(make_config):
     """Muon + AdamW + LR schedule + data position + RNG + expert biases all restored: bitwise-equal losses."""
     steps = ("--training.steps=4", "--checkpoint.interval=2")
-    full = train(make_config("--job.run_name=full", *steps), DIMS)
+    full = train(make_config("--job.run_name=full", *steps), DIMS, CPU)
     assert sorted(full.losses) == [1, 2, 3, 4]
 
-    crashed = Trainer(make_config("--job.run_name=resumed", *steps), DIMS)
+    crashed = Trainer(make_config("--job.run_name=resumed", *steps), DIMS, CPU)
     _crash_at_step(crashed, 3)
     with pytest.raises(_Crash):
         crashed.fit()
     assert complete_steps(crashed.checkpointer.folder) == [2]
 
-    resumed = train(make_config("--job.run_name=resumed", *steps), DIMS)
+    resumed = train(make_config("--job.run_name=resumed", *steps), DIMS, CPU)
     assert resumed.start_step == 2 and sorted(resumed.losses) == [3, 4]
     for step in (3, 4):
         assert resumed.losses[step] == full.losses[step], (step, resumed.losses[step], full.losses[step])
@@ -50,8 +51,8 @@ def test_stop_and_resume_reproduces_uninterrupted_losses(make_config):
 
 def test_resume_with_another_lr_warns_and_keeps_the_checkpoint_lr(make_config, caplog):
     steps = ("--training.steps=2", "--checkpoint.interval=2", "--optimizer.lr=1e-3")
-    train(make_config("--job.run_name=lr", *steps), DIMS)
-    resumed = Trainer(make_config("--job.run_name=lr", "--training.steps=3", "--optimizer.lr=5e-3"), DIMS)
+    train(make_config("--job.run_name=lr", *steps), DIMS, CPU)
+    resumed = Trainer(make_config("--job.run_name=lr", "--training.steps=3", "--optimizer.lr=5e-3"), DIMS, CPU)
     with caplog.at_level("WARNING"):
         resumed.fit()
     assert "lr = 0.005 differs from the resumed checkpoint's 0.001" in caplog.text
@@ -69,6 +70,7 @@ def test_gradient_accumulation_matches_one_big_micro_batch(make_config):
             "--optimizer.name=adamw",
         ),
         DIMS,
+        CPU,
     )
     acc = train(
         make_config(
@@ -80,6 +82,7 @@ def test_gradient_accumulation_matches_one_big_micro_batch(make_config):
             "--optimizer.name=adamw",
         ),
         DIMS,
+        CPU,
     )
     for step in (1, 2):
         assert math.isclose(one.losses[step], acc.losses[step], rel_tol=1e-5), step
@@ -94,7 +97,9 @@ def _nan_at_steps(trainer, steps):
 
 
 def test_nonfinite_step_is_skipped_and_counted(make_config):
-    trainer = Trainer(make_config("--training.steps=4", "--checkpoint.enable=false", "--optimizer.name=adamw"), DIMS)
+    trainer = Trainer(
+        make_config("--training.steps=4", "--checkpoint.enable=false", "--optimizer.name=adamw"), DIMS, CPU
+    )
     _nan_at_steps(trainer, {2})
     before = {}
 
@@ -132,6 +137,7 @@ def test_consecutive_nonfinite_steps_abort_without_checkpoint(make_config):
             "--optimizer.name=adamw",
         ),
         DIMS,
+        CPU,
     )
     _nan_at_steps(trainer, {3, 4, 5})
     with pytest.raises(NonFiniteLossError, match="max_consecutive_nonfinite"):
@@ -140,7 +146,7 @@ def test_consecutive_nonfinite_steps_abort_without_checkpoint(make_config):
 
 
 def test_checkpoint_contents_and_config(make_config):
-    result = train(make_config("--training.steps=2", "--checkpoint.interval=1"), DIMS)
+    result = train(make_config("--training.steps=2", "--checkpoint.interval=1"), DIMS, CPU)
     import torch.distributed.checkpoint as dcp
 
     meta = dcp.FileSystemReader(str(result.last_checkpoint)).read_metadata()
@@ -175,7 +181,7 @@ def test_initial_load_path_sets_weights_when_no_checkpoint(make_config, tmp_path
         assert convert_main(["hf-to-dcp", str(path), str(tmp_path / "dcp")]) == 0
         path = tmp_path / "dcp"
     trainer = Trainer(
-        make_config(f"--checkpoint.initial_load_path={path}", f"--checkpoint.initial_load_format={fmt}"), DIMS
+        make_config(f"--checkpoint.initial_load_path={path}", f"--checkpoint.initial_load_format={fmt}"), DIMS, CPU
     )
     trainer._resume_or_initial_load()
     got = trainer.model.state_dict()
@@ -192,22 +198,31 @@ def test_cuda_bf16_fsdp_training_resumes_exactly(make_config):
         "--training.steps=4",
         "--checkpoint.interval=2",
     )
-    full = train(make_config("--job.run_name=gpu_full", *opts), DIMS)
-    assert all(math.isfinite(v) for v in full.losses.values())
-    crashed = Trainer(make_config("--job.run_name=gpu_resumed", *opts), DIMS)
-    _crash_at_step(crashed, 3)
+    import torch.distributed as dist
+
+    from llm_training.distributed.utils import setup_distributed
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
+    device, created = setup_distributed("cuda", dims)  # a 1-rank nccl group: FSDP2 needs one, even on one GPU
     try:
+        full = train(make_config("--job.run_name=gpu_full", *opts), dims, device)
+        assert all(math.isfinite(v) for v in full.losses.values())
+        crashed = Trainer(make_config("--job.run_name=gpu_resumed", *opts), dims, device)
+        _crash_at_step(crashed, 3)
         with pytest.raises(_Crash):
             crashed.fit()
+        resumed = train(make_config("--job.run_name=gpu_resumed", *opts), dims, device)
     finally:
-        crashed.close()
-    resumed = train(make_config("--job.run_name=gpu_resumed", *opts), DIMS)
+        if created:
+            dist.destroy_process_group()
     for step in (3, 4):
         assert resumed.losses[step] == pytest.approx(full.losses[step], rel=1e-3), step
 
 
 def test_out_of_memory_names_step_and_config_keys(make_config):
-    trainer = Trainer(make_config("--training.steps=3", "--checkpoint.enable=false", "--optimizer.name=adamw"), DIMS)
+    trainer = Trainer(
+        make_config("--training.steps=3", "--checkpoint.enable=false", "--optimizer.name=adamw"), DIMS, CPU
+    )
 
     def hook(module, args, out):
         if trainer.train_state.step == 2:

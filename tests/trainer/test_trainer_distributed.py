@@ -34,13 +34,15 @@ def _config(dump_folder):
 def _worker(rank, world, port, dump_folder, out_folder):
     from torch.distributed.tensor import DTensor
 
+    from llm_training.distributed.utils import setup_distributed
     from llm_training.trainer import Trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=world)
-        trainer = Trainer(_config(dump_folder), dims)
+        device, _ = setup_distributed("cpu", dims)  # the process group exists: builds the mesh only
+        trainer = Trainer(_config(dump_folder), dims, device)
         assert trainer.accum == 2 and trainer.parallel.fsdp
         init = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters() if n in INIT_CHECKED}
 

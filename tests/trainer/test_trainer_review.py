@@ -1,6 +1,9 @@
 """Trainer regressions found in review: the mHC h_post schedule continues across a resume."""
 
+import dataclasses
+
 import pytest
+import torch
 
 import llm_training.trainer.trainer as trainer_module
 from llm_training.distributed import ParallelDims
@@ -32,23 +35,21 @@ def _alphas_seen(trainer, crash_at=None):
 
 
 def _run(config, crash_at=None):
-    trainer = Trainer(config, DIMS)
+    trainer = Trainer(config, DIMS, torch.device("cpu"))
     seen = _alphas_seen(trainer, crash_at)
-    try:
-        if crash_at is None:
+    if crash_at is None:
+        trainer.fit()
+    else:
+        with pytest.raises(_Crash):
             trainer.fit()
-        else:
-            with pytest.raises(_Crash):
-                trainer.fit()
-    finally:
-        trainer.close()
     return seen
 
 
 def test_mhc_progress_continues_after_resume(make_config, monkeypatch):
     args = get_flavor("motif3_debug").replace(mhc_h_post_alpha_start=ALPHA_START, mhc_h_post_alpha_end=ALPHA_END)
     assert args.mhc_enabled
-    monkeypatch.setattr(trainer_module, "get_flavor", lambda name: args)
+    spec = dataclasses.replace(trainer_module.MOTIF3_SPEC, get_flavor=lambda name: args)  # the flavor, via the spec
+    monkeypatch.setattr(trainer_module, "MOTIF3_SPEC", spec)
     steps = 4
     common = (f"--training.steps={steps}", "--checkpoint.interval=2", "--optimizer.name=adamw")
     full = _run(make_config("--job.run_name=full", *common))

@@ -1,0 +1,57 @@
+"""Activation checkpointing of repeated blocks: `apply_ac(blocks, mode)`.
+
+"full" recomputes a block's whole forward in backward; "selective" keeps the outputs of matmuls and attention
+kernels (the expensive ops) and recomputes everything else (norms, PolyNorm, mHC Sinkhorn, routing arithmetic,
+elementwise ops). The block's `forward` is wrapped in place, so the module tree and parameter FQNs stay the same.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+AC_MODES = ("none", "full", "selective")
+
+# ops whose outputs "selective" activation checkpointing keeps (the expensive ones)
+_SAVE_OPS = {
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default", "aten.linear.default",
+    "aten._grouped_mm.default", "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default", "aten._flash_attention_forward.default",
+    "aten._efficient_attention_forward.default",
+}  # fmt: skip
+
+
+def _selective_context():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if str(op) in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _checkpoint_block(block: nn.Module, mode: str) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    inner = block.forward
+    kwargs = {"use_reentrant": False}
+    if mode == "selective":
+        kwargs["context_fn"] = _selective_context
+
+    @functools.wraps(inner)
+    def forward(*args, **kw):
+        return checkpoint(inner, *args, **kwargs, **kw)
+
+    block.forward = forward
+
+
+def apply_ac(blocks: list[nn.Module], mode: str) -> None:
+    """Wrap each block's forward for activation checkpointing in `mode` (one of AC_MODES; "none" does nothing)."""
+    if mode not in AC_MODES:
+        raise ValueError(f"activation checkpointing mode must be one of {AC_MODES}, got {mode!r}")
+    if mode == "none":
+        return
+    for block in blocks:
+        _checkpoint_block(block, mode)

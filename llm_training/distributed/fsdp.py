@@ -1,0 +1,64 @@
+"""FSDP2 with summed gradients, and the gradient all-reduce of the parameters kept out of it.
+
+`apply_fsdp(model, blocks, mesh, mp_policy, replicated_param_names)` shards every block, then the root (embedding,
+final norm, head: the root stays unsharded after forward, so a loss can read the head weight directly), over
+`mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP). Parameters named in `replicated_param_names` stay out of FSDP2
+(`ignored_params`): full, in their own dtype, on every rank; `ReplicatedGradSync` all-reduces their gradients.
+
+Gradients are SUMMED over data ranks, never averaged: the losses are already normalised by the global
+labelled-token count (trainer/losses.py). FSDP2 is told so with `set_gradient_divide_factor(1)` and SUM-only
+collectives (gloo has no PREMUL_SUM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, mp_policy, replicated_param_names: list[str]) -> None:
+    """fully_shard each block, then the root, over `mesh`; the named parameters are left out (replicated)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    ignored = {model.get_parameter(name) for name in replicated_param_names}
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored & set(block.parameters()))
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            if not (
+                hasattr(module, "set_gradient_divide_factor") and hasattr(module, "set_force_sum_reduction_for_comms")
+            ):
+                raise RuntimeError(
+                    f"torch {torch.__version__}: FSDP2 lacks set_gradient_divide_factor / "
+                    "set_force_sum_reduction_for_comms, which llm_training needs for summed gradients (torch >= 2.11)"
+                )
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+@dataclass
+class ReplicatedGradSync:
+    """All-reduce (SUM, in fp32, one flat buffer) of the gradients of parameters kept out of FSDP2, over
+    `group` (every rank that saw different data). Holds FQNs, not Parameter objects: `to_empty` / loading may
+    replace the Parameter objects."""
+
+    model: nn.Module
+    param_names: list[str]
+    group: object = None
+
+    def __call__(self) -> None:
+        if not self.param_names or dist.get_world_size(self.group) == 1:
+            return
+        params = [self.model.get_parameter(name) for name in self.param_names]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset : offset + n].view_as(g).to(p.dtype)
+            offset += n

@@ -1,0 +1,130 @@
+"""Process-level distributed setup, done once per process, and the collectives helpers the trainer uses.
+
+Setup order (the entrypoint calls `setup_distributed` once, after the config is validated):
+    device = resolve_device(job_config.training.device)    # the GPU of LOCAL_RANK, or the CPU
+    init_process_group(device)                              # torchrun: nccl on CUDA, gloo on CPU;
+                                                            # one CUDA process: a 1-rank nccl group (FSDP2 needs one)
+    parallel_dims.build_mesh(device.type)                   # once a process group exists
+The trainer receives the device and the ParallelDims (with its mesh); nothing below re-derives them.
+
+Also here: `clip_grad_norm_` over parameters that live on different device meshes (FSDP mesh, expert mesh,
+replicated), and `all_reduce_` (a no-op without a process group).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from llm_training.errors import ConfigError
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launched_distributed() -> bool:
+    """True under torchrun (or any launcher that sets RANK / WORLD_SIZE > 1)."""
+    return "RANK" in os.environ or env_world_size() > 1
+
+
+def resolve_device(wanted: str) -> torch.device:
+    """The training device for `[training] device` ("auto" | "cpu" | "cuda"); on CUDA, the GPU of LOCAL_RANK
+    (made the current device)."""
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("[training] device = 'cuda' but no CUDA GPU is visible; use device = 'auto' or 'cpu'")
+    if wanted == "cpu" or (wanted == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_process_group(device: torch.device) -> bool:
+    """Initialise the default process group unless one exists; True when this call created it.
+
+    Launched by torchrun: nccl on CUDA, gloo on CPU (rendezvous from the environment). A single CUDA process
+    gets a 1-rank nccl group over an in-memory store, because FSDP2 (bf16 parameters with fp32 master
+    weights, even on one GPU) needs one. A single CPU process gets none."""
+    if dist.is_initialized():
+        return False
+    if launched_distributed():
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+        return True
+    if device.type == "cuda":
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+        return True
+    return False
+
+
+def setup_distributed(training_device: str, parallel_dims) -> tuple[torch.device, bool]:
+    """Resolve the device, initialise the process group and build `parallel_dims`' mesh, each once.
+    Returns (device, whether this call created the process group: the caller then destroys it at exit)."""
+    device = resolve_device(training_device)
+    created = init_process_group(device)
+    if dist.is_initialized() and parallel_dims.world_mesh is None:
+        parallel_dims.build_mesh(device.type)
+    return device, created
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_reduce_(t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """In-place all-reduce over `group` (default: the world); a no-op without a process group."""
+    if dist.is_initialized():
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+# ---------------------------------------------------------------------------------------- gradient clipping
+def _mesh_key(grad: torch.Tensor):
+    """Grads that can share one foreach norm: plain tensors together, DTensors per (mesh, placements)."""
+    if isinstance(grad, DTensor):
+        return (grad.device_mesh, grad.placements)
+    return None
+
+
+def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip grads in place so that their global L2 norm is <= max_norm (0: measure only); returns the norm
+    before clipping (inf/nan when a grad is non-finite; grads are then left untouched).
+
+    Grads may live on different device meshes (FSDP2's, an expert-parallel mesh) or be plain tensors
+    (parameters replicated on every rank, identical after their all-reduce). Each group of grads on the same
+    mesh and placements gets one foreach norm; a DTensor group's norm is reduced over its own mesh
+    (`full_tensor()` of the Partial result), a plain group's is local. The group norms combine as
+    sqrt(sum of squares), and the scale is applied per group (foreach kernels cannot mix meshes).
+    (Design follows torchtitan's clip_grad_norm_; see THIRD_PARTY_NOTICES.md.)"""
+    groups: dict = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            groups[_mesh_key(p.grad)].append(p)
+    if not groups:
+        return 0.0
+    norms = []
+    for ps in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ps], norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        norms.append(norm.float())
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    if max_norm > 0 and torch.isfinite(total):
+        for ps in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total, foreach=True)
+    return float(total)

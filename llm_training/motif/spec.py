@@ -1,0 +1,37 @@
+"""MOTIF3_SPEC: the Motif-3 family as the trainer sees it (`llm_training.model_spec.ModelSpec`)."""
+
+from __future__ import annotations
+
+from llm_training.model_spec import ModelSpec, StateDictAdapter
+from llm_training.motif import MODEL_FLAVORS, get_flavor
+from llm_training.motif.model import Motif3Model
+from llm_training.motif.optimizer_groups import motif_optimizer_rules
+from llm_training.motif.parallelize import parallelize_motif
+from llm_training.motif.state_dict_adapter import (
+    export_hf_checkpoint,
+    hf_config_from_args,
+    is_fp32_key,
+    load_hf_checkpoint,
+)
+from llm_training.motif.step_hooks import MotifStepHooks
+
+
+def build_motif3(model_args, job_config) -> Motif3Model:
+    """A Motif3Model for `model_args` with the configured attention backend, on the current default device
+    (meta for the sharded build; parameters are initialised later by `init_weights`)."""
+    return Motif3Model(model_args, attention_backend=job_config.model.attention_backend)
+
+
+MOTIF3_SPEC = ModelSpec(
+    name="motif3",
+    flavors=MODEL_FLAVORS,
+    get_flavor=get_flavor,
+    build_model=build_motif3,
+    parallelize=parallelize_motif,
+    optimizer_rules=motif_optimizer_rules,
+    is_fp32_param=is_fp32_key,
+    state_dict_adapter=StateDictAdapter(hf_config_from_args, load_hf_checkpoint, export_hf_checkpoint),
+    build_step_hooks=MotifStepHooks,
+    head_weight=lambda model: model.lm_head.weight,
+    num_mtp_modules=lambda model_args: model_args.num_nextn_predict_layers,
+)

@@ -1,0 +1,78 @@
+"""distributed.utils: gradient clipping over parameters on different device meshes (an FSDP-like 1-D mesh, a
+second 2-D mesh such as an expert mesh, and plain replicated tensors) on 2 gloo ranks equals clipping the full
+gradients in one process; device resolution names the key when CUDA is missing."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from llm_training.config import ConfigError
+from llm_training.distributed.utils import clip_grad_norm_, resolve_device
+
+FULL_GRADS = {  # what the three kinds of parameters' full gradients are
+    "fsdp": torch.arange(12.0).view(4, 3) - 5.0,
+    "expert": torch.linspace(-2.0, 3.0, 16).view(2, 4, 2),
+    "replicated": torch.tensor([0.5, -1.5, 2.0]),
+}
+
+
+def _reference(max_norm):
+    params = {n: torch.nn.Parameter(torch.zeros_like(g)) for n, g in FULL_GRADS.items()}
+    for n, p in params.items():
+        p.grad = FULL_GRADS[n].clone()
+    norm = torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm)
+    return float(norm), {n: p.grad for n, p in params.items()}
+
+
+def _worker(rank, world, port, max_norm, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fsdp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        expert_mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard_mod_ep", "ep"))
+        params = []
+        for name, mesh, placements in (
+            ("fsdp", fsdp_mesh, [Shard(0)]),
+            ("expert", expert_mesh, [Shard(1), Shard(0)]),
+        ):
+            p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(FULL_GRADS[name]), mesh, placements))
+            p.grad = distribute_tensor(FULL_GRADS[name].clone(), mesh, placements)
+            params.append(p)
+        plain = torch.nn.Parameter(torch.zeros(3))
+        plain.grad = FULL_GRADS["replicated"].clone()
+        params.append(plain)
+        norm = clip_grad_norm_(params, max_norm)
+        grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in params]
+        out[rank] = (norm, grads)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 0.0])  # 0: measure only
+def test_clip_grad_norm_over_two_meshes_and_plain_params(free_port, max_norm):
+    manager = mp.Manager()
+    out = manager.dict()
+    mp.spawn(_worker, args=(2, free_port, max_norm, out), nprocs=2, join=True)
+    want_norm, want = (
+        _reference(max_norm)
+        if max_norm
+        else (float(torch.stack([g.norm() for g in FULL_GRADS.values()]).norm()), FULL_GRADS)
+    )
+    for rank in range(2):
+        norm, grads = out[rank]
+        assert norm == pytest.approx(want_norm, rel=1e-6)
+        for g, name in zip(grads, ("fsdp", "expert", "replicated")):
+            torch.testing.assert_close(g, want[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_resolve_device_cuda_without_gpu_names_the_key(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"\[training\] device = 'cuda'"):
+        resolve_device("cuda")
+    assert resolve_device("auto") == torch.device("cpu")

@@ -1,0 +1,115 @@
+"""Structural rules of the package, checked on the source: the import graph of `llm_training` has no cycle, and
+no module under `llm_training/layers/` (model math) uses torch.distributed."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "llm_training"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _is_type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(tree: ast.Module, module: str, is_package: bool) -> set[str]:
+    """Every llm_training module this module imports, at module level or inside functions (TYPE_CHECKING
+    blocks excluded: they never run). `from a.b import c` names a.b.c when that is a module, else a.b."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if _is_type_checking_block(node):
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative import
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.add(target)
+            found.update(f"{target}.{a.name}" for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {m for m in found if m == "llm_training" or m.startswith("llm_training.")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the llm_training modules it imports (a package's __init__ counts for every module inside it,
+    since importing a.b.c runs a/__init__ and a/b/__init__ first)."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        targets = set()
+        for target in _imports(ast.parse(path.read_text()), name, path.name == "__init__.py"):
+            while target and target not in files:  # `from pkg import name` where name is not a module
+                target = target.rpartition(".")[0]
+            parts = target.split(".")
+            targets.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))  # parents' __init__ run first
+        own_parents = {".".join(name.split(".")[:i]) for i in range(1, len(name.split(".")) + 1)}
+        graph[name] = {t for t in targets if t in files} - own_parents
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := dfs(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := dfs(node)):
+            return cycle
+    return None
+
+
+def test_import_graph_has_no_cycle():
+    graph = import_graph()
+    assert "llm_training.trainer.trainer" in graph and graph["llm_training.trainer.trainer"]  # the scan sees imports
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_layers_never_use_torch_distributed():
+    offenders = []
+    for path in sorted((PACKAGE / "layers").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Attribute):
+                names = [ast.unparse(node)]
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not offenders, "model code must stay collective-free: " + ", ".join(offenders)
