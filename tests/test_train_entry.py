@@ -59,6 +59,30 @@ def test_world_size_error_exits_2_before_distributed_init(monkeypatch, capsys):
     assert "must equal the world size 3" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "name, needle",
+    [
+        ("example_c4_pretrain.toml", "FP8 / MXFP8 are not built yet"),
+        ("example_c4_sft.toml", "expert parallelism is not built yet"),
+    ],
+)
+def test_examples_rejected_before_any_setup_naming_the_missing_feature(name, needle, monkeypatch, capsys):
+    """The production examples need features that are not built: validation rejects them, exit 2, before any
+    process group, device, tokenizer or data work (any of those would raise here)."""
+    import llm_training.train as entry
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("setup work before the config was rejected")
+
+    monkeypatch.setenv("WORLD_SIZE", "32")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(entry, "setup_distributed", forbidden)
+    monkeypatch.setattr(entry, "run", forbidden)
+    assert main(["--job.config_file", str(TRAIN_CONFIGS_DIR / name)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: ") and needle in err and "Traceback" not in err
+
+
 def test_print_config_prints_toml_and_writes_nothing(tmp_path, capsys):
     import tomllib
 
