@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 # `docker run --rm [-e K=V]... [--gpus all] IMAGE CMD...` -> CMD run in the repository root (the image's
@@ -41,6 +43,7 @@ FAKE_DOCKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # three interpreter starts, torchrun and one training step: ~15 s on an idle core
 def test_smoke_script_commands_run_on_this_checkout(tmp_path):
     log = tmp_path / "docker_runs.jsonl"
     bin_dir = tmp_path / "bin"
