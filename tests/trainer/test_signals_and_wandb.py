@@ -85,6 +85,17 @@ def _wandb_history(run_file):
     return rows, runs
 
 
+def _written_wandb_history(run_dir, timeout_s=60.0):
+    """`_wandb_history` of the run file in `run_dir` once it holds its run record: wandb's service process
+    may still be flushing the file when `finish()` has returned (seen once on a loaded machine)."""
+    deadline = time.time() + timeout_s
+    while True:
+        rows, runs = _wandb_history(next(run_dir.glob("run-*.wandb")))
+        if runs or time.time() > deadline:
+            return rows, runs
+        time.sleep(0.5)
+
+
 API_KEY = "0123456789abcdef0123456789abcdef01234567"  # a made-up key in wandb's 40-character format
 
 
@@ -111,7 +122,7 @@ def test_wandb_offline_logs_metrics_and_resumes_same_run(make_config, tmp_path, 
     runs = sorted((first.run_folder / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     run_id = runs[0].name.rsplit("-", 1)[1]
-    rows, run_records = _wandb_history(next(runs[0].glob("run-*.wandb")))
+    rows, run_records = _written_wandb_history(runs[0])
     assert [r.run_id for r in run_records] == [run_id]
     assert run_records[0].entity == "motif-team" and run_records[0].display_name == "motif3-debug-wandb"
     assert [r["_step"] for r in rows] == [1, 2]
@@ -127,7 +138,7 @@ def test_wandb_offline_logs_metrics_and_resumes_same_run(make_config, tmp_path, 
     assert second.start_step == 2
     runs = sorted((first.run_folder / "wandb").glob("offline-run-*"))
     assert {r.name.rsplit("-", 1)[1] for r in runs} == {run_id}  # the same wandb run id continues
-    rows, run_records = _wandb_history(next(runs[-1].glob("run-*.wandb")))
+    rows, run_records = _written_wandb_history(runs[-1])
     assert {r.run_id for r in run_records} == {run_id} and rows[-1]["_step"] == 3
     assert rows[-1]["loss"] == second.losses[3]
 
