@@ -72,8 +72,8 @@ def test_source_builds_are_pinned_to_full_commits():
 def test_no_gpu_import_at_build_time():
     gpu_only = ("deep_ep", "deep_gemm", "flash_attn", "hybrid_ep_cpp", "liger_kernel", "torch.cuda.init")
     for run in RUNS:
-        for statement in re.findall(r"python3? -c \"(.*?)\"( &&|$)", run):
-            imports = re.findall(r"(?:^|[;\s])(?:import|from) ([\w.]+(?:\s*,\s*[\w.]+)*)", statement[0])
+        for statement in re.findall(r"python3? -c \"(.*?)\"(?=\s*&&|\s*$)", run):
+            imports = re.findall(r"(?:^|[;\s])(?:import|from) ([\w.]+(?:\s*,\s*[\w.]+)*)", statement)
             names = {n.strip() for group in imports for n in group.split(",")}
             assert not names & set(gpu_only), f"build-time import needs a GPU driver: {names & set(gpu_only)}"
 
@@ -161,3 +161,12 @@ def test_dockerignore_keeps_the_source_and_drops_local_state():
     assert [p for p in needed if p not in kept] == []
     for package in ("llm_training/", "activations/activation/", "optimizer/optimizer/"):
         assert [p for p in tracked if p.startswith(package) and p not in kept] == []
+
+
+def test_every_run_instruction_is_valid_bash():
+    for number, keyword, args in INSTRUCTIONS:
+        if keyword == "RUN":
+            proc = subprocess.run(["bash", "-n", "-o", "pipefail", "-c", args], capture_output=True, text=True)
+            assert proc.returncode == 0, f"{DOCKERFILE.name}:{number}: {proc.stderr}"
+            for snippet in re.findall(r'python -c "(.*?)"(?=\s*&&|\s*$)', args):
+                compile(snippet, f"{DOCKERFILE.name}:{number}", "exec")  # the build's Python checks parse
