@@ -81,9 +81,10 @@ RUN apt-get update \
  && touch /opt/llm-training-constraints.txt \
  && pip install "pip==26.3" "setuptools==84.2.1" "wheel==0.48.0"
 
-# torch and the NCCL / NVSHMEM wheels it pins; then everything installed so far becomes a constraint
+# torch and the NCCL / NVSHMEM wheels it pins, all from PyTorch's cu130 index (it carries torch's
+# dependencies); then everything installed so far becomes a constraint
 # (PIP_CONSTRAINT), so no later install can change torch, NCCL or NVSHMEM behind our back.
-RUN pip install --extra-index-url "${TORCH_INDEX_URL}" \
+RUN pip install --index-url "${TORCH_INDEX_URL}" \
       "torch==${TORCH_VERSION}" "nvidia-nccl-cu13==${NCCL_VERSION}" "nvidia-nvshmem-cu13==${NVSHMEM_VERSION}" \
  && pip freeze > /opt/llm-training-constraints.txt
 
