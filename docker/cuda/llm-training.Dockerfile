@@ -17,8 +17,8 @@
 #   release table in sgl-project/sglang#38769: 3.4.5 for torch 2.11-2.14); NCCL 2.28.9 is also what the
 #   H200 reports. NCCL_VERSION / NVSHMEM_VERSION repeat those pins so a drift fails the build in pip.
 # - TORCHAO 0.18.0, LIGER_KERNEL 0.8.5, FLASH_ATTN_4 4.0.0b36 with NVIDIA_CUTLASS_DSL 4.8.1 (+ libs-cu13),
-#   QUACK_KERNELS 0.6.5, APACHE_TVM_FFI <0.2, TORCH_C_DLPACK_EXT: dependencies.md (run and measured on torch
-#   2.11 cu130); the versions exist on PyPI.
+#   QUACK_KERNELS 0.6.5, APACHE_TVM_FFI 0.1.15.post2 (dependencies.md: <0.2), TORCH_C_DLPACK_EXT 0.1.5:
+#   dependencies.md (run and measured on torch 2.11 cu130); the versions are on PyPI.
 # - DEEPEP_COMMIT f725d296...: head of DeepEP's `hybrid-ep` branch pinned by pytorch/torchtitan#4033
 #   (.ci/docker/common/install_deepep.sh, built there on CUDA 13 against the pip NVSHMEM); it carries
 #   deepseek-ai/DeepEP#699 (no hard-coded -std=c++17 for hybrid_ep_cpp, which fails against current torch
