@@ -7,7 +7,9 @@
 #   PET_NNODES (1)  PET_NPROC_PER_NODE (GPUs from nvidia-smi, else 1)  PET_NODE_RANK (0)
 #   PET_MASTER_ADDR (127.0.0.1)  PET_MASTER_PORT (29500)
 # Extra arguments are passed to llm_training.train as config overrides. W&B credentials and settings
-# (WANDB_API_KEY, WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE) are read from the environment by the trainer.
+# (WANDB_API_KEY, WANDB_PROJECT, WANDB_TEAM, WANDB_RUN_NAME, WANDB_MODE) are read from the environment by
+# the trainer (llm_training/trainer/metrics.py). examples/kubeflow/trainjob.yaml runs
+# scripts/build_activation_at_start.sh before this script.
 # DRY_RUN=1 prints the torchrun command instead of running it.
 set -euo pipefail
 

@@ -3,8 +3,8 @@ optional wandb / TensorBoard sinks (imported lazily).
 
 MFU is reported in both conventions of ARCHITECTURE.md §7 (`training_flops_per_token(args, seq_len,
 "megatron"|"torchtitan")`) against the dense bf16 peak of the detected GPU; on CPU it is n/a.
-wandb settings come from the environment only (WANDB_PROJECT, WANDB_ENTITY, WANDB_NAME, WANDB_API_KEY,
-WANDB_MODE): never from the TOML, and never printed.
+wandb settings come from the environment only (`wandb_init_kwargs`: WANDB_PROJECT, WANDB_TEAM, WANDB_RUN_NAME,
+WANDB_RUN_ID, WANDB_API_KEY, WANDB_MODE): never from the TOML; the key is never printed or written.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,16 +119,9 @@ class MetricsLogger:
             import wandb
         except ImportError as e:
             raise ImportError("[metrics] enable_wandb = true needs the wandb package (pip install wandb)") from e
-        env = os.environ
-        run = wandb.init(
-            project=env.get("WANDB_PROJECT", "llm_training"),
-            entity=env.get("WANDB_ENTITY") or None,
-            name=env.get("WANDB_NAME") or Path(self.run_folder).name,
-            dir=str(self.run_folder),
-            id=self.wandb_run_id,
-            resume="allow" if self.wandb_run_id else None,
-        )
+        run = wandb.init(**wandb_init_kwargs(Path(self.run_folder), self.wandb_run_id, os.environ))
         self.wandb_run_id = run.id
+        (Path(self.run_folder) / WANDB_RUN_ID_FILE).write_text(run.id + "\n")
         return run
 
     def record(self, rec: StepRecord) -> None:
@@ -209,3 +203,36 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+WANDB_RUN_ID_FILE = "wandb_run_id"  # in the run folder: lets a restart before the first checkpoint resume the run
+# The variables users set, then the names wandb itself reads (aliases).
+_WANDB_ENV_ALIASES = {"entity": ("WANDB_TEAM", "WANDB_ENTITY"), "name": ("WANDB_RUN_NAME", "WANDB_NAME")}
+
+
+def wandb_init_kwargs(run_folder: Path, run_id: str | None, env: Mapping[str, str]) -> dict[str, Any]:
+    """`wandb.init` arguments from the environment: project WANDB_PROJECT (default "llm_training"), team
+    WANDB_TEAM (alias WANDB_ENTITY), run name WANDB_RUN_NAME (alias WANDB_NAME; default the run folder's
+    name). The run resumes the id it is given (the checkpoint's), else WANDB_RUN_ID, else the id a previous
+    start wrote to `<run_folder>/wandb_run_id`; with none of them a new run starts. WANDB_API_KEY and
+    WANDB_MODE are left to wandb: the key is never read, printed or written here."""
+    chosen: dict[str, str | None] = {}
+    for key, names in _WANDB_ENV_ALIASES.items():
+        values = {n: env[n] for n in names if env.get(n)}
+        if len(set(values.values())) > 1:
+            raise ValueError(
+                f"[metrics] {names[0]}={values[names[0]]!r} and {names[1]}={values[names[1]]!r} disagree; "
+                f"set only {names[0]} ({names[1]} is an alias)"
+            )
+        chosen[key] = next(iter(values.values()), None)
+    id_file = run_folder / WANDB_RUN_ID_FILE
+    if not run_id:
+        run_id = env.get("WANDB_RUN_ID") or (id_file.read_text().strip() if id_file.is_file() else None) or None
+    return {
+        "project": env.get("WANDB_PROJECT") or "llm_training",
+        "entity": chosen["entity"],
+        "name": chosen["name"] or run_folder.name,
+        "dir": str(run_folder),
+        "id": run_id,
+        "resume": "allow" if run_id else None,
+    }

@@ -1,5 +1,7 @@
 """SIGTERM in the middle of a run saves a checkpoint at the end of the current step and exits cleanly;
-wandb (offline) receives the logged metrics, and a resumed run continues the same wandb run."""
+wandb (offline) receives the logged metrics under the team and run name users set, a resumed run (from a
+checkpoint, or restarted before the first one) continues the same wandb run, and the API key is written
+nowhere."""
 
 import json
 import os
@@ -10,11 +12,14 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
 
 from llm_training.distributed import ParallelDims
+from llm_training.motif import get_flavor
 from llm_training.trainer import train
 from llm_training.trainer.checkpoint import complete_steps
+from llm_training.trainer.metrics import WANDB_RUN_ID_FILE, MetricsLogger, wandb_init_kwargs
 
 DIMS = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
 
@@ -60,7 +65,7 @@ def _wandb_history(run_file):
     of protobuf `Record`s."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data, pos, chunk, rows, run_ids = run_file.read_bytes(), 7, b"", [], []
+    data, pos, chunk, rows, runs = run_file.read_bytes(), 7, b"", [], []
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:
             pos += 32768 - pos % 32768
@@ -77,14 +82,38 @@ def _wandb_history(run_file):
             if record.WhichOneof("record_type") == "history":
                 rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
             elif record.WhichOneof("record_type") == "run":
-                run_ids.append(record.run.run_id)
-    return rows, run_ids
+                runs.append(record.run)
+    return rows, runs
 
 
-def test_wandb_offline_logs_metrics_and_resumes_same_run(make_config, tmp_path, monkeypatch):
+def _written_wandb_history(run_dir, timeout_s=60.0):
+    """`_wandb_history` of the run file in `run_dir` once it holds its run record: wandb's service process
+    may still be flushing the file when `finish()` has returned (seen once on a loaded machine)."""
+    deadline = time.time() + timeout_s
+    while True:
+        rows, runs = _wandb_history(next(run_dir.glob("run-*.wandb")))
+        if runs or time.time() > deadline:
+            return rows, runs
+        time.sleep(0.5)
+
+
+API_KEY = "0123456789abcdef0123456789abcdef01234567"  # a made-up key in wandb's 40-character format
+
+
+def _offline_wandb_env(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_PROJECT", "llm-training-test")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_API_KEY", API_KEY)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # wandb must not write ~/.netrc or settings with the key
+    for alias in ("WANDB_ENTITY", "WANDB_NAME", "WANDB_RUN_ID"):
+        monkeypatch.delenv(alias, raising=False)
+
+
+def test_wandb_offline_logs_metrics_and_resumes_same_run(make_config, tmp_path, monkeypatch, capfd):
+    _offline_wandb_env(monkeypatch, tmp_path)
+    monkeypatch.setenv("WANDB_TEAM", "motif-team")
+    monkeypatch.setenv("WANDB_RUN_NAME", "motif3-debug-wandb")
     first = train(
         make_config(
             "--training.steps=2", "--checkpoint.interval=1", "--metrics.enable_wandb", "--optimizer.name=adamw"
@@ -95,8 +124,9 @@ def test_wandb_offline_logs_metrics_and_resumes_same_run(make_config, tmp_path, 
     runs = sorted((first.run_folder / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     run_id = runs[0].name.rsplit("-", 1)[1]
-    rows, ids = _wandb_history(next(runs[0].glob("run-*.wandb")))
-    assert ids == [run_id]
+    rows, run_records = _written_wandb_history(runs[0])
+    assert [r.run_id for r in run_records] == [run_id]
+    assert run_records[0].entity == "motif-team" and run_records[0].display_name == "motif3-debug-wandb"
     assert [r["_step"] for r in rows] == [1, 2]
     assert [r["loss"] for r in rows] == [first.losses[1], first.losses[2]]
     assert "tokens_per_s" in rows[0] and "grad_norm" in rows[0] and "mfu_megatron" not in rows[0]  # n/a on CPU
@@ -111,5 +141,54 @@ def test_wandb_offline_logs_metrics_and_resumes_same_run(make_config, tmp_path, 
     assert second.start_step == 2
     runs = sorted((first.run_folder / "wandb").glob("offline-run-*"))
     assert {r.name.rsplit("-", 1)[1] for r in runs} == {run_id}  # the same wandb run id continues
-    rows, ids = _wandb_history(next(runs[-1].glob("run-*.wandb")))
-    assert set(ids) == {run_id} and rows[-1]["_step"] == 3 and rows[-1]["loss"] == second.losses[3]
+    rows, run_records = _written_wandb_history(runs[-1])
+    assert {r.run_id for r in run_records} == {run_id} and rows[-1]["_step"] == 3
+    assert rows[-1]["loss"] == second.losses[3]
+
+    printed = capfd.readouterr()
+    assert API_KEY not in printed.out + printed.err
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert API_KEY.encode() not in path.read_bytes(), f"the API key was written to {path}"
+
+
+def _logger(run_folder, run_id=None):
+    return MetricsLogger(
+        get_flavor("motif3_debug"),
+        seq_len=32,
+        total_steps=2,
+        log_freq=1,
+        run_folder=run_folder,
+        device=torch.device("cpu"),
+        enable_wandb=True,
+        wandb_run_id=run_id,
+    )
+
+
+def test_restart_before_the_first_checkpoint_resumes_the_same_run(tmp_path, monkeypatch):
+    _offline_wandb_env(monkeypatch, tmp_path)
+    first = _logger(tmp_path / "run")
+    first.close()  # the pod dies before any checkpoint stored the run id
+    assert (tmp_path / "run" / WANDB_RUN_ID_FILE).read_text().strip() == first.wandb_run_id
+    again = _logger(tmp_path / "run")
+    again.close()
+    assert again.wandb_run_id == first.wandb_run_id
+    other = _logger(tmp_path / "other-run")  # another run folder starts another wandb run
+    other.close()
+    assert other.wandb_run_id != first.wandb_run_id
+
+
+def test_wandb_variables_users_set_and_their_aliases(tmp_path):
+    folder = tmp_path / "run-a"
+    users = wandb_init_kwargs(folder, None, {"WANDB_TEAM": "team", "WANDB_RUN_NAME": "name", "WANDB_PROJECT": "p"})
+    assert users == {"project": "p", "entity": "team", "name": "name", "dir": str(folder), "id": None, "resume": None}
+    aliases = wandb_init_kwargs(folder, None, {"WANDB_ENTITY": "team", "WANDB_NAME": "name", "WANDB_PROJECT": "p"})
+    assert aliases == users
+    defaults = wandb_init_kwargs(folder, None, {})
+    assert (defaults["project"], defaults["entity"], defaults["name"]) == ("llm_training", None, "run-a")
+    assert wandb_init_kwargs(folder, None, {"WANDB_TEAM": "t", "WANDB_ENTITY": "t"})["entity"] == "t"
+    with pytest.raises(ValueError, match="WANDB_TEAM='a' and WANDB_ENTITY='b' disagree; set only WANDB_TEAM"):
+        wandb_init_kwargs(folder, None, {"WANDB_TEAM": "a", "WANDB_ENTITY": "b"})
+    resumed = wandb_init_kwargs(folder, "ckpt-id", {"WANDB_RUN_ID": "env-id"})
+    assert (resumed["id"], resumed["resume"]) == ("ckpt-id", "allow")  # the checkpoint's id wins
+    assert wandb_init_kwargs(folder, None, {"WANDB_RUN_ID": "env-id"})["id"] == "env-id"
