@@ -11,8 +11,8 @@ out = 0 and lse = -inf. Both out and lse are differentiable: the ring's backward
 backpropagates through both (see ring_attention.py).
 
 Kernels: `reference_block_attention` (explicit mask, fp32 math, any device: the tests' ground truth) and
-`flex_block_attention` (FlexAttention with `return_aux` lse / max_scores, CUDA; imported lazily, not run by
-the CPU tests). `block_attention_kernel(device)` picks flex on CUDA, the reference elsewhere.
+`flex_block_attention` (FlexAttention with `return_aux` lse / max_scores, CUDA; imported lazily; the CPU
+tests check its forward only: torch has no CPU flex backward, and its CUDA run is not verified here). `block_attention_kernel(device)` picks flex on CUDA, the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -49,15 +49,18 @@ def reference_block_attention(q_BQHD, k_BKKD, v_BKKE, *, scale, queries, keys, w
 
 
 @functools.cache
-def _compiled_flex_attention():
+def _flex_attention(device_type: str):
+    """torch.compile'd FlexAttention on CUDA (the fused kernel); eager elsewhere (CPU: forward only, used
+    by the tests to check the mask and the lse against the reference)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
 
 
 def flex_block_attention(q_BQHD, k_BKKD, v_BKKE, *, scale, queries, keys, window, document_ids, record_max_logits):
-    """FlexAttention on one block pair (CUDA). The block mask is built per call from the absolute
-    positions; `max_scores` (the scaled pre-softmax max per query row) gives max_logits."""
+    """FlexAttention on one block pair (CUDA; on CPU torch supports neither its backward nor max_scores).
+    The block mask is built per call from the absolute positions; `max_scores` (the scaled pre-softmax max
+    per query row) gives max_logits."""
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
     q0, k0 = queries.start, keys.start
@@ -74,7 +77,7 @@ def flex_block_attention(q_BQHD, k_BKKD, v_BKKE, *, scale, queries, keys, window
     B = q_BQHD.shape[0] if document_ids is not None else None
     block_mask = create_block_mask(mask_mod, B, None, len(queries), len(keys), device=q_BQHD.device)
     q, k, v = (t.transpose(1, 2) for t in (q_BQHD, k_BKKD, v_BKKE))
-    out, aux = _compiled_flex_attention()(
+    out, aux = _flex_attention(q.device.type)(
         q,
         k,
         v,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from llm_training.distributed.block_attention import merge_partials, reference_block_attention
+from llm_training.distributed.block_attention import flex_block_attention, merge_partials, reference_block_attention
 from llm_training.layers.attention_backends import reference_attention
 
 
@@ -73,3 +73,16 @@ def test_gradients_of_out_and_lse_gradcheck():
         return out, lse
 
     assert torch.autograd.gradcheck(out_and_lse, (q, k, v))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("keys", [range(16, 48), range(16)])  # the second: nothing visible to any query
+def test_flex_block_matches_the_reference_forward(keys):
+    q, k, v = _qkv(S=64)
+    docs = torch.tensor([[0] * 20 + [1] * 30 + [2] * 14, [0] * 64])
+    kw = dict(scale=0.3, queries=range(32, 48), keys=keys, window=16, document_ids=docs, record_max_logits=False)
+    kv = (k[:, keys.start : keys.stop], v[:, keys.start : keys.stop])
+    flex_out, flex_lse, _ = flex_block_attention(q[:, 32:48], *kv, **kw)
+    ref_out, ref_lse, _ = reference_block_attention(q[:, 32:48], *kv, **kw)
+    torch.testing.assert_close(flex_out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(flex_lse, ref_lse, atol=1e-5, rtol=1e-5)

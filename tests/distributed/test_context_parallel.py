@@ -19,7 +19,9 @@ from llm_training.distributed.context_parallel import (
     check_context_parallel,
     plan_context_parallel,
 )
+from llm_training.distributed.block_attention import reference_block_attention
 from llm_training.distributed.cp_sharding import SequenceLayout, cp_shard
+from llm_training.distributed.ring_attention import ring_attention
 from llm_training.layers.attention_backends import reference_attention
 from llm_training.motif import get_flavor
 
@@ -141,6 +143,32 @@ def _layer_case(group, rank, cp, mode):
         torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-4, rtol=RTOL, msg=f"{name} {case}")
 
 
+def _balance_case(group, rank, cp):
+    """Zigzag + causal skipping: every rank computes the same 2 cp + 1 block pairs (3 at the diagonal step,
+    of which 2 half-masked, then 2 per step), instead of 1..2cp-1 blocks for a contiguous split."""
+    calls = []
+
+    def counting_kernel(*args, **kwargs):
+        calls.append((kwargs["queries"].start, kwargs["keys"].start))
+        return reference_block_attention(*args, **kwargs)
+
+    layout = SequenceLayout("zigzag", cp)
+    q, k, v = torch.randn(1, 4, 2, 3), torch.randn(1, 4, 1, 3), torch.randn(1, 4, 1, 2)
+    ring_attention(
+        q,
+        k,
+        v,
+        scale=1.0,
+        document_ids=None,
+        record_max_logits=False,
+        layout=layout,
+        group=group,
+        block_kernel=counting_kernel,
+    )
+    assert len(calls) == 2 * cp + 1, (rank, calls)
+    assert all(key <= query for query, key in calls), (rank, calls)
+
+
 def _worker(rank, cp, port, cases):
     torch.set_num_threads(1)  # spawned ranks do not run the root conftest
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -149,6 +177,8 @@ def _worker(rank, cp, port, cases):
         for case in cases:
             if case[0] == "layers":
                 _layer_case(dist.group.WORLD, rank, cp, case[1])
+            elif case[0] == "balance":
+                _balance_case(dist.group.WORLD, rank, cp)
             else:
                 _attention_case(dist.group.WORLD, rank, cp, *case)
     finally:
@@ -168,11 +198,11 @@ def _cases(ulysses_args, sliding_window):
 
 
 def test_two_ranks_equal_the_full_sequence(free_port):
-    cases = _cases(DEBUG, DEBUG.sliding_window) + [("layers", "ulysses"), ("layers", "ring")]
+    cases = _cases(DEBUG, DEBUG.sliding_window) + [("layers", "ulysses"), ("layers", "ring"), ("balance",)]
     mp.spawn(_worker, args=(2, free_port, cases), nprocs=2, join=True)
 
 
 def test_four_ranks_equal_the_full_sequence(free_port):
     # Ulysses at cp 4 needs 4 KV heads (WIDE); W = 16 = the zigzag chunk length at S = 128 (halo = one chunk)
-    cases = _cases(WIDE, DEBUG.sliding_window) + [(DEBUG, "halo", 5, True), ("layers", "ulysses")]
+    cases = _cases(WIDE, DEBUG.sliding_window) + [(DEBUG, "halo", 5, True), ("layers", "ulysses"), ("balance",)]
     mp.spawn(_worker, args=(4, free_port, cases), nprocs=4, join=True)
