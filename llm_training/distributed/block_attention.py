@@ -57,12 +57,20 @@ def _flex_attention(device_type: str):
     return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
 
 
-def flex_block_attention(q_BQHD, k_BKKD, v_BKKE, *, scale, queries, keys, window, document_ids, record_max_logits):
-    """FlexAttention on one block pair (CUDA; on CPU torch supports neither its backward nor max_scores).
-    The block mask is built per call from the absolute positions; `max_scores` (the scaled pre-softmax max
-    per query row) gives max_logits."""
-    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
+# Block masks for the current document_ids tensor, keyed by the block's positions and window: the layers of
+# one forward (and the backward's recompute) share them; a new document_ids tensor drops the old ones.
+_flex_mask_cache: dict = {"document_ids": None, "masks": {}}
 
+
+@torch.compiler.disable  # mask building and the Python cache stay eager inside a compiled block
+def _flex_block_mask(queries: range, keys: range, window, document_ids, batch: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if _flex_mask_cache["document_ids"] is not document_ids:
+        _flex_mask_cache["document_ids"], _flex_mask_cache["masks"] = document_ids, {}
+    cache_key = (queries.start, queries.stop, keys.start, keys.stop, window, batch, device)
+    if cache_key in _flex_mask_cache["masks"]:
+        return _flex_mask_cache["masks"][cache_key]
     q0, k0 = queries.start, keys.start
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -74,8 +82,27 @@ def flex_block_attention(q_BQHD, k_BKKD, v_BKKE, *, scale, queries, keys, window
             visible = visible & (document_ids[b, qi] == document_ids[b, kj])
         return visible
 
-    B = q_BQHD.shape[0] if document_ids is not None else None
-    block_mask = create_block_mask(mask_mod, B, None, len(queries), len(keys), device=q_BQHD.device)
+    # Large CUDA blocks: build the mask with torch.compile instead of materialising [B, Q, K] booleans.
+    compile_mask = torch.device(device).type == "cuda" and len(queries) * len(keys) >= 1 << 30
+    block_mask = create_block_mask(
+        mask_mod,
+        batch if document_ids is not None else None,
+        None,
+        len(queries),
+        len(keys),
+        device=device,
+        _compile=compile_mask,
+    )
+    _flex_mask_cache["masks"][cache_key] = block_mask
+    return block_mask
+
+
+def flex_block_attention(q_BQHD, k_BKKD, v_BKKE, *, scale, queries, keys, window, document_ids, record_max_logits):
+    """FlexAttention on one block pair (CUDA; on CPU torch supports neither its backward nor max_scores).
+    `max_scores` (the scaled pre-softmax max per query row) gives max_logits."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    block_mask = _flex_block_mask(queries, keys, window, document_ids, q_BQHD.shape[0], q_BQHD.device)
     q, k, v = (t.transpose(1, 2) for t in (q_BQHD, k_BKKD, v_BKKE))
     out, aux = _flex_attention(q.device.type)(
         q,

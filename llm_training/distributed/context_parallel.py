@@ -100,8 +100,15 @@ class ContextParallelAttention:
     (the cp process group) for one layer; `strategy` in ("ulysses", "ring", "halo")."""
 
     def __init__(self, inner_kernel, strategy: str, layout: SequenceLayout, group: dist.ProcessGroup):
+        if strategy not in ("ulysses", "ring", "halo"):
+            raise ValueError(f"unknown context-parallel strategy {strategy!r}; expected ulysses, ring or halo")
         if strategy == "ulysses" and layout.kind != "contiguous":
             raise ValueError("Ulysses gathers the sequence in rank order: it needs the contiguous layout")
+        if dist.get_world_size(group) != layout.cp or layout.cp < 2:
+            raise ValueError(
+                f"context-parallel group of {dist.get_world_size(group)} ranks for a layout of degree {layout.cp}: "
+                "they must match and be >= 2 (at degree 1 keep the plain kernel)"
+            )
         self.inner_kernel, self.strategy, self.layout, self.group = inner_kernel, strategy, layout, group
 
     def __call__(

@@ -56,7 +56,7 @@ class HaloExchange(torch.autograd.Function):
             if owner == rank:
                 halos.append(tail(owner_slot).clone())
             else:
-                halos.append(torch.empty_like(tail(slot)))
+                halos.append(x.new_empty(tail(slot).shape))
                 recvs.append((halos[-1], owner, c))
         _exchange(sends, recvs, group)
         ctx.window, ctx.layout, ctx.group, ctx.chunk = window, layout, group, chunk
@@ -84,13 +84,14 @@ class HaloExchange(torch.autograd.Function):
                 else:
                     sends.append((d, owner, c - 1))
             if c + 1 < layout.num_chunks and layout.owner(c + 1)[0] != rank:
-                recvs.append((torch.empty_like(tail(slot)), layout.owner(c + 1)[0], c, slot))
+                recvs.append((dx.new_empty(tail(slot).shape), layout.owner(c + 1)[0], c, slot))
         _exchange(sends, [(t, p, tag) for t, p, tag, _ in recvs], group)
         for t, _, _, slot in recvs:
             tail(slot).add_(t)
         return dx, None, None, None
 
 
+@torch.compiler.disable  # point-to-point ops: runs eagerly inside a compiled block
 def halo_attention(
     q_BSHD: torch.Tensor,
     k_BSKD: torch.Tensor,

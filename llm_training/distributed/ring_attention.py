@@ -37,7 +37,7 @@ class _RingShift:
     def __init__(self, tensors: tuple[torch.Tensor, ...], group: dist.ProcessGroup):
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         nxt, prv = dist.get_global_rank(group, (rank + 1) % cp), dist.get_global_rank(group, (rank - 1) % cp)
-        self.received = tuple(torch.empty_like(t) for t in tensors)
+        self.received = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors)
         ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, prv, group) for r in self.received]
         self.requests = dist.batch_isend_irecv(ops)
@@ -155,6 +155,7 @@ def _block_grads(block_kernel, q, k, v, out, lse, d_out, *, scale, queries, keys
     return tuple(g.float() for g in grads)
 
 
+@torch.compiler.disable  # point-to-point ops and a Python loop over steps: runs eagerly inside a compiled block
 def ring_attention(
     q_BSHD: torch.Tensor,
     k_BSKD: torch.Tensor,
