@@ -244,6 +244,7 @@ def _cases(ulysses_args, sliding_window):
 def test_two_ranks_equal_the_full_sequence(free_port):
     bf16 = [(DEBUG, strategy, window, True, torch.bfloat16) for strategy, window in (("ring", None), ("halo", 16))]
     cases = _cases(DEBUG, DEBUG.sliding_window) + bf16 + [("layers", "ulysses"), ("layers", "ring"), ("balance",)]
+    cases += [(WIDE, "ulysses", None, True), (WIDE, "ulysses", 16, True)]  # 2 KV heads (2 groups) per rank
     cases += [("model", "ulysses"), ("model", "ring")]
     mp.spawn(_worker, args=(2, free_port, cases), nprocs=2, join=True)
 
