@@ -97,7 +97,7 @@ def _attention_case(group, rank, cp, args, strategy, window, packed, dtype=torch
 
 
 class _TwoLayers(torch.nn.Module):
-    """A full and a sliding GDLA layer (debug flavor, float64-free: the kernels compute in fp32)."""
+    """A full and a sliding GDLA layer of the debug flavor, reference kernel."""
 
     def __init__(self, args):
         from llm_training.layers.attention import GDLAttention
