@@ -1,0 +1,150 @@
+"""Context parallelism for GDLA attention: which algorithm each layer uses, its validation, and the kernel
+wrapper the parallelizer installs on every attention layer (ARCHITECTURE.md §5, model-spec §10).
+
+Plan (`plan_context_parallel`):
+- mode "ulysses" with heads that allow it (KV heads and noise groups divisible by cp): every layer runs
+  Ulysses (ulysses.py); tokens are split contiguously.
+- mode "ring", or "ulysses" when the heads do not allow it: full-attention layers run ring attention
+  (ring_attention.py), sliding-window layers exchange only a halo of W keys (halo_attention.py); tokens are
+  split zigzag (2 cp chunks) for causal load balance.
+
+`ContextParallelAttention` has the attention-kernel signature of layers/attention_backends.py, with one
+difference: `document_ids` is the FULL-sequence [B, S] tensor (identical on the cp ranks), while q/k/v are
+this rank's [B, S/cp, ...] tokens in `plan.layout` order. max_logits is this rank's partial [Hq] (-inf
+where it saw nothing); the MAX all-reduce over the world that QK-clip does assembles the exact value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from llm_training.distributed.block_attention import block_attention_kernel
+from llm_training.distributed.cp_sharding import SequenceLayout
+from llm_training.distributed.halo_attention import halo_attention
+from llm_training.distributed.ring_attention import ring_attention
+from llm_training.distributed.ulysses import ulysses_attention
+
+CP_MODES = ("ulysses", "ring")
+
+
+@dataclass(frozen=True)
+class ContextParallelPlan:
+    """Algorithm per attention-layer kind at degree `cp`; `reason` says why ring replaced Ulysses."""
+
+    cp: int
+    full_attention: str  # "ulysses" | "ring"
+    sliding_attention: str  # "ulysses" | "halo"
+    reason: str = ""
+
+    @property
+    def layout(self) -> SequenceLayout:
+        return SequenceLayout("zigzag" if self.full_attention == "ring" else "contiguous", self.cp)
+
+    def strategy(self, window: Optional[int]) -> str:
+        return self.full_attention if window is None else self.sliding_attention
+
+
+def ulysses_head_problem(args, cp: int) -> str:
+    """Why Ulysses cannot split the heads of `args` (a Motif3ModelArgs) over cp ranks, or "" if it can."""
+    problems = []
+    if args.num_key_value_heads % cp != 0:
+        problems.append(f"num_key_value_heads = {args.num_key_value_heads}")
+    if args.num_noise_heads % cp != 0:
+        problems.append(f"num_noise_heads = {args.num_noise_heads} (signal+noise groups)")
+    if not problems:
+        return ""
+    return f"Ulysses splits whole KV heads and head groups over ranks: {', '.join(problems)} not divisible by {cp}"
+
+
+def plan_context_parallel(args, cp: int, mode: str) -> ContextParallelPlan:
+    """The per-layer algorithm choice for [parallelism] context_parallel_mode = `mode` at degree `cp`."""
+    if mode not in CP_MODES:
+        raise ValueError(f"[parallelism] context_parallel_mode = {mode!r}; expected one of {CP_MODES}")
+    problem = ulysses_head_problem(args, cp)
+    if mode == "ulysses" and not problem:
+        return ContextParallelPlan(cp, "ulysses", "ulysses")
+    return ContextParallelPlan(cp, "ring", "halo", reason=problem if mode == "ulysses" else "")
+
+
+def check_context_parallel(args, cp: int, mode: str, seq_len: int) -> ContextParallelPlan:
+    """Validate a CP layout for config/validate.py; ValueError naming the keys and the fix, else the plan."""
+    if cp < 1:
+        raise ValueError(f"[parallelism] context_parallel_degree must be >= 1, got {cp}")
+    plan = plan_context_parallel(args, cp, mode)
+    if cp == 1:
+        return plan
+    layout = plan.layout
+    if seq_len % layout.num_chunks != 0:
+        why = "ring attention splits it into 2 x cp zigzag chunks" if layout.kind == "zigzag" else "Ulysses"
+        raise ValueError(
+            f"[training] seq_len = {seq_len} is not divisible by {layout.num_chunks} ({why}, "
+            f"[parallelism] context_parallel_degree = {cp}); make seq_len a multiple of {layout.num_chunks}"
+        )
+    chunk = seq_len // layout.num_chunks
+    if plan.sliding_attention == "halo" and args.sliding_window > chunk:
+        raise ValueError(
+            f"sliding-window layers under ring context parallelism fetch their W = {args.sliding_window} "
+            f"(the flavor's sliding_window) previous keys from the neighbouring chunk only, so W must be <= the "
+            f"chunk length [training] seq_len / (2 x [parallelism] context_parallel_degree) = {seq_len} / "
+            f"{2 * cp} = {chunk}; raise seq_len or lower context_parallel_degree"
+        )
+    return plan
+
+
+class ContextParallelAttention:
+    """Attention-kernel wrapper running `inner_kernel` (Ulysses) or ring / halo attention over `group`
+    (the cp process group) for one layer; `strategy` in ("ulysses", "ring", "halo")."""
+
+    def __init__(self, inner_kernel, strategy: str, layout: SequenceLayout, group: dist.ProcessGroup):
+        if strategy not in ("ulysses", "ring", "halo"):
+            raise ValueError(f"unknown context-parallel strategy {strategy!r}; expected ulysses, ring or halo")
+        if strategy == "ulysses" and layout.kind != "contiguous":
+            raise ValueError("Ulysses gathers the sequence in rank order: it needs the contiguous layout")
+        if dist.get_world_size(group) != layout.cp or layout.cp < 2:
+            raise ValueError(
+                f"context-parallel group of {dist.get_world_size(group)} ranks for a layout of degree {layout.cp}: "
+                "they must match and be >= 2 (at degree 1 keep the plain kernel)"
+            )
+        self.inner_kernel, self.strategy, self.layout, self.group = inner_kernel, strategy, layout, group
+
+    def __call__(
+        self, q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, record_max_logits
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if self.strategy == "ulysses":
+            return ulysses_attention(
+                self.inner_kernel,
+                q_BSHD,
+                k_BSKD,
+                v_BSKE,
+                scale=scale,
+                window=window,
+                document_ids=document_ids,
+                record_max_logits=record_max_logits,
+                group=self.group,
+            )
+        common = dict(
+            scale=scale,
+            document_ids=document_ids,
+            record_max_logits=record_max_logits,
+            layout=self.layout,
+            group=self.group,
+            block_kernel=block_attention_kernel(q_BSHD.device),
+        )
+        if self.strategy == "ring":
+            if window is not None:
+                raise ValueError("ring attention is for full-attention layers; sliding layers use halo attention")
+            return ring_attention(q_BSHD, k_BSKD, v_BSKE, **common)
+        return halo_attention(q_BSHD, k_BSKD, v_BSKE, window=window, **common)
+
+
+def apply_context_parallel(model: torch.nn.Module, plan: ContextParallelPlan, group: dist.ProcessGroup) -> None:
+    """Wrap the kernel of every GDLA layer (trunk and MTP) of `model` for context parallelism."""
+    from llm_training.layers.attention import GDLAttention
+
+    for module in model.modules():
+        if isinstance(module, GDLAttention):
+            module.kernel = ContextParallelAttention(module.kernel, plan.strategy(module.window), plan.layout, group)
