@@ -349,3 +349,27 @@ def expert_grad_mesh(parallel_dims):
     if not dims:
         return None
     return mesh[dims] if len(dims) > 1 else mesh[dims[0]]
+
+
+@torch.no_grad()
+def sum_expert_grads(model: nn.Module, names: list[str], grad_mesh) -> None:
+    """SUM-all-reduce, over `grad_mesh` (`expert_grad_mesh`: the non-EP data ranks), the gradients of
+    EP-sharded expert parameters that FSDP2 does not reduce itself (the fp32 grouped-PolyNorm `act_fn`
+    kept outside FSDP2 as `ignored_params`). Works on the local [L, ...] shards in one flat buffer; a
+    no-op when `grad_mesh` is None."""
+    from llm_training.distributed.dtensor_utils import local_tensor
+
+    if grad_mesh is None or not names:
+        return
+    params = [model.get_parameter(name) for name in names]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [local_tensor(p.grad) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    for dim in range(grad_mesh.ndim):  # a sum over each dim in turn is the sum over all of them
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=grad_mesh.get_group(dim))
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -165,3 +165,70 @@ def _worker(rank, world, port):
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_moe_equals_single_process(world, free_port):
     mp.spawn(_worker, args=(world, free_port), nprocs=world, join=True)
+
+
+def _fsdp_worker(rank, world, port):
+    from torch.distributed.fsdp import fully_shard
+
+    from llm_training.distributed import ParallelDims
+    from llm_training.distributed.expert_parallel import apply_expert_parallel, expert_grad_mesh, sum_expert_grads
+    from llm_training.motif import get_flavor
+    from optimizer import Muon
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.set_num_threads(1)
+        dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=2, world_size=world)
+        dims.build_mesh("cpu")
+        args = get_flavor("motif3_debug").replace(router_aux_loss_coef=0.01)
+        L, H = args.num_experts // dims.ep, args.hidden_size
+        reference = _reference_moe(args, torch.float32)
+        moe = copy.deepcopy(reference)
+        plan = apply_expert_parallel(moe, dims.ep_mesh["ep"])
+        grad_mesh = expert_grad_mesh(dims)  # dp_shard_mod_ep: ranks {0, 2} and {1, 3} hold the same experts
+        assert grad_mesh.mesh.tolist() == [rank % 2, rank % 2 + 2] and dims.ep_mesh["ep"].mesh.tolist() == [
+            rank // 2 * 2,
+            rank // 2 * 2 + 1,
+        ]
+        # as motif/parallelize.py does: fp32 parameters stay outside FSDP2, their grads summed separately
+        fp32_names = [n for n, _ in moe.named_parameters() if any(p in n for p in FP32_MATH)]
+        expert_fp32 = [n for n in fp32_names if n in plan.expert_param_names]
+        ignored = {moe.get_parameter(n) for n in fp32_names}
+        fully_shard(moe.experts, mesh=grad_mesh, ignored_params=ignored & set(moe.experts.parameters()))
+        fully_shard(moe, mesh=dims.world_mesh["dp_shard_cp"], ignored_params=ignored)
+        for module in (moe, moe.experts):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+        gen = torch.Generator().manual_seed(1)
+        x_all = torch.randn(world * BATCH_PER_RANK, SEQ, H, generator=gen)
+        g_all = torch.randn(world * BATCH_PER_RANK, SEQ, H, generator=gen)
+        mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+        out_ref, _, grads_ref, _ = _run(reference, x_all, g_all, 1.0)
+        out, _, _, _ = _run(moe, x_all[mine], g_all[mine], 1.0 / world)
+        sum_expert_grads(moe, expert_fp32, grad_mesh)
+        for name in fp32_names:
+            if name not in expert_fp32:  # replicated plain tensors: summed over every data rank
+                dist.all_reduce(moe.get_parameter(name).grad)
+        tol = TOLERANCES[torch.float32]
+        torch.testing.assert_close(out, out_ref[mine], **tol)
+        for name, p in moe.named_parameters():
+            grad = p.grad.full_tensor() if name in plan.expert_param_names or name not in fp32_names else p.grad
+            torch.testing.assert_close(grad, grads_ref[name], **tol, msg=name)
+
+        # Muon on the EP x FSDP2 expert stacks (whole experts on every rank): the same step as on one process
+        stacks = ["experts.gate_up_proj", "experts.down_proj"]
+        for model in (reference, moe):
+            Muon([model.get_parameter(n) for n in stacks], lr=0.05, weight_decay=0.1).step()
+        for name in stacks:
+            full = moe.get_parameter(name).full_tensor()
+            torch.testing.assert_close(full, reference.get_parameter(name).detach(), **tol, msg=name)
+        assert moe.get_parameter(stacks[0]).to_local().shape[0] == L // grad_mesh.size()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_over_expert_parallel_and_muon_equal_single_process(free_port):
+    """4 ranks: EP 2 x FSDP2 2 (dp_shard_mod_ep) on the experts, FSDP2 4 on the rest."""
+    mp.spawn(_fsdp_worker, args=(4, free_port), nprocs=4, join=True)
