@@ -2,7 +2,8 @@
 the counts exchange, and an EP MoE (motif3_debug: 16 experts top-4, each rank its own tokens) against one
 process running the same MoE over the union of the tokens: outputs and the gradients of the input,
 router, shared expert, expert stacks and grouped PolyNorm, with natural (uneven) routing and with every
-token routed to the experts of rank 0 (the other ranks receive nothing).
+token routed to the experts of rank 0 (the other ranks receive nothing), and under activation
+checkpointing; on 4 ranks EP 2 x FSDP2 2 on the experts (FSDP2 4 on the rest) and a Muon step.
 
 Tolerances: float64 (per-expert loop path) 1e-10 absolute/relative (the summation order of the gradients
 differs), except the balance loss and the gradients of the router gate and the PolyNorm weights, which the
@@ -68,9 +69,11 @@ def _reference_moe(args, dtype):
     return moe.to(dtype)
 
 
-def _run(moe, x_BSH, grad_out_BSH, balance_weight):
+def _run(moe, x_BSH, grad_out_BSH, balance_weight, checkpointed=False):
+    """Forward (optionally under non-reentrant activation checkpointing: the EP all-to-alls then run again
+    in the backward's recompute), backward of sum(out * grad_out) + balance_weight * balance loss."""
     x = x_BSH.clone().requires_grad_(True)
-    out, stats = moe(x)
+    out, stats = torch.utils.checkpoint.checkpoint(moe, x, use_reentrant=False) if checkpointed else moe(x)
     ((out * grad_out_BSH).sum() + balance_weight * stats.balance_loss).backward()
     grads = {n: p.grad for n, p in moe.named_parameters()}
     return out.detach(), x.grad, grads, stats
@@ -85,7 +88,7 @@ def _check_counts_exchange(rank, world, group):
     assert torch.equal(recv, want), (recv, want)
 
 
-def _check_against_single_process(rank, world, group, mesh, dtype, bias_to_rank0):
+def _check_against_single_process(rank, world, group, mesh, dtype, bias_to_rank0, checkpointed):
     from torch.distributed.tensor import DTensor, Shard
 
     from llm_training.distributed.expert_parallel import apply_expert_parallel
@@ -118,7 +121,7 @@ def _check_against_single_process(rank, world, group, mesh, dtype, bias_to_rank0
     # union loss = sum(out * g) + balance (a mean over all sequences) = sum over ranks of the local losses
     # with the balance term divided by the number of ranks
     out_ref, dx_ref, grads_ref, stats_ref = _run(reference, x_all, g_all, 1.0)
-    out, dx, grads, stats = _run(moe, x_all[mine], g_all[mine], 1.0 / world)
+    out, dx, grads, stats = _run(moe, x_all[mine], g_all[mine], 1.0 / world, checkpointed)
 
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(out, out_ref[mine], **tol)
@@ -146,8 +149,23 @@ def _check_against_single_process(rank, world, group, mesh, dtype, bias_to_rank0
     assert grads["experts.gate_up_proj"].to_local().abs().sum() > 0 or (bias_to_rank0 and rank > 0)
 
 
+def _check_expert_count_must_divide(world, mesh):
+    from llm_training.distributed.expert_parallel import apply_expert_parallel
+    from llm_training.layers.moe import MoE
+    from llm_training.motif import get_flavor
+
+    moe = MoE(get_flavor("motif3_debug").replace(num_experts=2 * world + 1, experts_top_k=2))
+    with pytest.raises(
+        ConfigError, match=rf"expert_parallel_degree = {world} must divide num_experts = {2 * world + 1}"
+    ):
+        apply_expert_parallel(moe, mesh)
+
+
 def _worker(rank, world, port):
     from torch.distributed.device_mesh import init_device_mesh
+
+    from llm_training.distributed import ParallelDims
+    from llm_training.distributed.expert_parallel import expert_grad_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
@@ -156,8 +174,16 @@ def _worker(rank, world, port):
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
         group = mesh.get_group()
         _check_counts_exchange(rank, world, group)
-        for dtype, bias_to_rank0 in ((torch.float64, False), (torch.float64, True), (torch.float32, False)):
-            _check_against_single_process(rank, world, group, mesh, dtype, bias_to_rank0)
+        for dtype, bias_to_rank0, checkpointed in (
+            (torch.float64, False, False),
+            (torch.float64, True, False),
+            (torch.float32, False, True),
+        ):
+            _check_against_single_process(rank, world, group, mesh, dtype, bias_to_rank0, checkpointed)
+        _check_expert_count_must_divide(world, mesh)
+        dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=world, world_size=world)
+        dims.build_mesh("cpu")
+        assert expert_grad_mesh(dims) is None  # one EP group holds every expert once: nothing to sum
     finally:
         dist.destroy_process_group()
 
