@@ -39,6 +39,7 @@ THIRD_PARTY_NOTICES.md.)
 
 from __future__ import annotations
 
+import abc
 import functools
 import importlib
 from collections.abc import Callable
@@ -85,20 +86,20 @@ def inverse_permutation(index_M: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- dispatchers
-class ExpertDispatcher:
+class ExpertDispatcher(abc.ABC):
     """Moves expert-sorted rows to the ranks owning their experts and back.
 
     `dispatch(x_NH, tokens_per_expert_E)` -> (x_local_MH grouped by local expert, counts_L, route);
     `combine(y_local_MH, route)` -> y_NH in the caller's row order. Both are differentiable in the rows.
     """
 
-    name: str = ""
-
+    @abc.abstractmethod
     def dispatch(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor):
-        raise NotImplementedError
+        """Rows grouped by global expert (tokens_per_expert_E[e] rows for expert e) -> this rank's rows."""
 
+    @abc.abstractmethod
     def combine(self, y_local_MH: torch.Tensor, route: Any) -> torch.Tensor:
-        raise NotImplementedError
+        """Expert outputs of this rank's rows -> outputs of the rows given to `dispatch`, in their order."""
 
 
 @dataclass
@@ -112,8 +113,6 @@ class AllToAllDispatcher(ExpertDispatcher):
     """Counts all-to-all, then one variable-split all-to-all of the rows each way
     (`torch.distributed._functional_collectives.all_to_all_single_autograd`: its backward is the
     reverse all-to-all). One device-to-host copy of the split sizes per call."""
-
-    name = "all_to_all"
 
     def __init__(self, group) -> None:
         self.group = group
@@ -201,8 +200,6 @@ class DeepEPDispatcher(ExpertDispatcher):
     sent twice: DeepEP's per-token deduplication is not used). Rows must be bf16 on CUDA.
     NOT RUN in this repository's tests (no GPU, no DeepEP): written against DeepEP's documented API."""
 
-    name = "deepep"
-
     def __init__(self, group) -> None:
         self.deep_ep = _import_deep_ep()
         self.topk_dtype = getattr(self.deep_ep, "topk_idx_t", torch.int64)
@@ -269,13 +266,14 @@ class ExpertParallelPlan:
     expert_param_names: list[str] = field(default_factory=list)
 
 
-def _as_1d_mesh(ep_mesh_or_group, device_type: str):
+def _as_1d_mesh(ep_mesh_or_group):
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(ep_mesh_or_group, DeviceMesh):
         if ep_mesh_or_group.ndim != 1:
             raise ValueError(f"expert parallel needs a 1-D EP mesh, got dims {ep_mesh_or_group.mesh_dim_names}")
         return ep_mesh_or_group
+    device_type = "cuda" if dist.get_backend(ep_mesh_or_group) == "nccl" else "cpu"
     return DeviceMesh.from_group(ep_mesh_or_group, device_type, mesh_dim_names=("ep",))
 
 
@@ -305,20 +303,18 @@ def _wrap_forward(experts: nn.Module, dispatcher: ExpertDispatcher) -> None:
     experts.forward = forward
 
 
-def apply_expert_parallel(
-    model: nn.Module, ep_mesh_or_group, dispatcher: str = "all_to_all", device_type: str = "cpu"
-) -> ExpertParallelPlan:
+def apply_expert_parallel(model: nn.Module, ep_mesh_or_group, dispatcher: str = "all_to_all") -> ExpertParallelPlan:
     """Shard every GroupedExperts of `model` over the EP ranks and route its rows through `dispatcher`.
 
     `ep_mesh_or_group`: the 1-D "ep" mesh (`parallel_dims.ep_mesh["ep"]`, so FSDP2 can later shard the
-    experts over `ep_mesh["dp_shard_mod_ep"]` of the same root mesh) or an EP process group
-    (`device_type` is then used to build its mesh). Call before FSDP2 and before `init_weights` /
+    experts over `ep_mesh["dp_shard_mod_ep"]` of the same root mesh) or an EP process group (its mesh is
+    then built on CUDA for NCCL, on CPU otherwise). Call before FSDP2 and before `init_weights` /
     checkpoint loading on a meta model, or on a fully initialised model (its rows are kept).
     """
     from llm_training.layers.moe import GroupedExperts
 
     check_dispatcher_available(dispatcher)
-    mesh = _as_1d_mesh(ep_mesh_or_group, device_type)
+    mesh = _as_1d_mesh(ep_mesh_or_group)
     P = mesh.size()
     disp = DISPATCHERS[dispatcher](mesh.get_group())
     names = []
