@@ -223,6 +223,12 @@ class DeepEPDispatcher(ExpertDispatcher):
                 f"{DISPATCHER_KEY} = 'deepep' needs bf16 rows on CUDA, got {x_NH.dtype} on {x_NH.device}; use "
                 "'all_to_all' for fp32 / CPU runs"
             )
+        if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
+            raise ConfigError(
+                f"{DISPATCHER_KEY} = 'deepep' cannot run with training.deterministic: DeepEP rejects deterministic "
+                "algorithms together with torch.utils.deterministic.fill_uninitialized_memory (the fill kernels race "
+                "its communication stream); set training.deterministic = false or use 'all_to_all'"
+            )
         E = tokens_per_expert_E.numel()
         L = E // self.group.size()
         expert_of_row = torch.repeat_interleave(
