@@ -341,16 +341,14 @@ def apply_expert_parallel(model: nn.Module, ep_mesh_or_group, dispatcher: str = 
 
 
 def expert_grad_mesh(parallel_dims):
-    """The mesh over which expert-parameter grads are summed (and FSDP2 shards the experts): the non-EP
-    data ranks `dp_replicate x dp_shard_mod_ep` of `parallel_dims.ep_mesh` (size-1 dims dropped; None when
-    every rank holding an expert is in one EP group, i.e. nothing to reduce)."""
+    """The mesh over which expert-parameter grads are summed and FSDP2 shards the experts: the non-EP data
+    ranks of `parallel_dims.ep_mesh`, `("dp_replicate", "dp_shard_mod_ep")` with replication (HSDP) else
+    `"dp_shard_mod_ep"` (the rule the dense FSDP2 mesh follows). Size 1 when one EP group holds every
+    expert once: nothing to sum, but FSDP2 over it still gives CUDA's bf16 mixed precision."""
     mesh = parallel_dims.ep_mesh
     if mesh is None:
         raise ValueError("expert_grad_mesh: parallel_dims.build_mesh() has not been called")
-    dims = tuple(d for d in ("dp_replicate", "dp_shard_mod_ep") if mesh[d].size() > 1)
-    if not dims:
-        return None
-    return mesh[dims] if len(dims) > 1 else mesh[dims[0]]
+    return mesh["dp_replicate", "dp_shard_mod_ep"] if parallel_dims.dp_replicate_enabled else mesh["dp_shard_mod_ep"]
 
 
 @torch.no_grad()
@@ -358,10 +356,10 @@ def sum_expert_grads(model: nn.Module, names: list[str], grad_mesh) -> None:
     """SUM-all-reduce, over `grad_mesh` (`expert_grad_mesh`: the non-EP data ranks), the gradients of
     EP-sharded expert parameters that FSDP2 does not reduce itself (the fp32 grouped-PolyNorm `act_fn`
     kept outside FSDP2 as `ignored_params`). Works on the local [L, ...] shards in one flat buffer; a
-    no-op when `grad_mesh` is None."""
+    no-op on a 1-rank mesh."""
     from llm_training.distributed.dtensor_utils import local_tensor
 
-    if grad_mesh is None or not names:
+    if grad_mesh.size() == 1 or not names:
         return
     params = [model.get_parameter(name) for name in names]
     for p in params:
