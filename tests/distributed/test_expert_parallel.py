@@ -3,7 +3,8 @@ the counts exchange, and an EP MoE (motif3_debug: 16 experts top-4, each rank it
 process running the same MoE over the union of the tokens: outputs and the gradients of the input,
 router, shared expert, expert stacks and grouped PolyNorm, with natural (uneven) routing and with every
 token routed to the experts of rank 0 (the other ranks receive nothing), and under activation
-checkpointing; on 4 ranks EP 2 x FSDP2 2 on the experts (FSDP2 4 on the rest) and a Muon step.
+checkpointing; on 4 ranks EP 2 x FSDP2 2 on the experts (FSDP2 4 on the rest), a Muon step, and a DCP
+checkpoint of that layout loaded on one process.
 
 Tolerances: float64 (per-expert loop path) 1e-10 absolute/relative (the summation order of the gradients
 differs), except the balance loss and the gradients of the router gate and the PolyNorm weights, which the
@@ -193,7 +194,8 @@ def test_expert_parallel_moe_equals_single_process(world, free_port):
     mp.spawn(_worker, args=(world, free_port), nprocs=world, join=True)
 
 
-def _fsdp_worker(rank, world, port):
+def _fsdp_worker(rank, world, port, checkpoint):
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
     from llm_training.distributed import ParallelDims
@@ -243,6 +245,8 @@ def _fsdp_worker(rank, world, port):
             grad = p.grad.full_tensor() if name in plan.expert_param_names or name not in fp32_names else p.grad
             torch.testing.assert_close(grad, grads_ref[name], **tol, msg=name)
 
+        dcp.save(moe.state_dict(), checkpoint_id=checkpoint)  # global shapes, loaded on one process below
+
         # Muon on the EP x FSDP2 expert stacks (whole experts on every rank): the same step as on one process
         stacks = ["experts.gate_up_proj", "experts.down_proj"]
         for model in (reference, moe):
@@ -255,6 +259,24 @@ def _fsdp_worker(rank, world, port):
         dist.destroy_process_group()
 
 
-def test_fsdp2_over_expert_parallel_and_muon_equal_single_process(free_port):
-    """4 ranks: EP 2 x FSDP2 2 (dp_shard_mod_ep) on the experts, FSDP2 4 on the rest."""
-    mp.spawn(_fsdp_worker, args=(4, free_port), nprocs=4, join=True)
+def test_fsdp2_over_expert_parallel_and_muon_equal_single_process(free_port, tmp_path):
+    """4 ranks: EP 2 x FSDP2 2 (dp_shard_mod_ep) on the experts, FSDP2 4 on the rest; the DCP checkpoint
+    they save loads into a one-process MoE with the single-process weights."""
+    import torch.distributed.checkpoint as dcp
+
+    from llm_training.layers.moe import MoE
+    from llm_training.motif import get_flavor
+
+    checkpoint = str(tmp_path / "ckpt")
+    mp.spawn(_fsdp_worker, args=(4, free_port, checkpoint), nprocs=4, join=True)
+    args = get_flavor("motif3_debug").replace(router_aux_loss_coef=0.01)
+    loaded = MoE(args)
+    torch.manual_seed(5)
+    loaded.init_weights(0.1)
+    state = loaded.state_dict()
+    dcp.load(state, checkpoint_id=checkpoint, no_dist=True)  # a one-process load
+    loaded.load_state_dict(state)
+    reference = _reference_moe(args, torch.float32).state_dict()
+    assert state.keys() == reference.keys()
+    for name, value in reference.items():
+        torch.testing.assert_close(loaded.state_dict()[name], value, rtol=0, atol=0, msg=name)
