@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llm_training.distributed.dtensor_utils import local_tensor
 from llm_training.layers.ffn import FeedForward
 from llm_training.layers.norms import GroupedPolyNorm
 from llm_training.layers.projection import Fp32Projection
@@ -134,7 +135,7 @@ class GroupedExperts(nn.Module):
         `group_multiple` (default: 16 bytes of rows, i.e. 8 for bf16 on CUDA, where the weight-gradient
         GEMM slices the token dim; 1 on CPU); padded rows are dropped from the result.
         """
-        gate_up_w, down_w = self.gate_up_proj, self.down_proj
+        gate_up_w, down_w = local_tensor(self.gate_up_proj), local_tensor(self.down_proj)  # EP: local experts
         grouped = self.use_grouped_mm and grouped_mm_supported(x_NH, gate_up_w, down_w)
         if group_multiple is None:
             group_multiple = max(1, 16 // x_NH.element_size()) if (grouped and x_NH.is_cuda) else 1

@@ -11,6 +11,8 @@ from torch import nn
 
 from activation import fused_mul_poly_norm, grouped_poly_norm, rms_norm
 
+from llm_training.distributed.dtensor_utils import local_tensor
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32, returned in x's dtype."""
@@ -80,8 +82,8 @@ class GroupedPolyNorm(nn.Module):
     def forward(self, gate_NI: torch.Tensor, up_NI: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         return grouped_poly_norm(
             gate_NI,
-            self.weight.float(),
-            self.bias.float(),
+            local_tensor(self.weight).float(),  # EP: this rank's experts
+            local_tensor(self.bias).float(),
             offs_E,
             eps=self.eps,
             sigmoid_weight=self.sigmoid_weight,

@@ -1,7 +1,9 @@
 """DTensor helpers shared by Muon and QK-clip: local views and the row range a rank holds.
 
 Only `Replicate()` and `Shard(0)` placements are supported (what FSDP2 / HSDP produce); anything else
-raises with the tensor's placements in the message.
+raises with the tensor's placements in the message. Exception, on request (`allow_strided`): the
+`_StridedShard(0)` that FSDP2 puts on dim 0 of expert stacks already sharded over expert-parallel ranks;
+each rank still holds whole experts, but not one contiguous row range.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ import torch
 
 try:  # torch >= 2.5 public path
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # pragma: no cover - older layouts are below our floor (torch >= 2.11)
     DTensor = None  # type: ignore[assignment]
-    Replicate = Shard = None  # type: ignore[assignment]
+    Replicate = Shard = _StridedShard = None  # type: ignore[assignment]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -26,13 +29,15 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if is_dtensor(t) else t  # noqa: SLF001 - to_local() may wrap in autograd
 
 
-def shard0_mesh_dims(t: torch.Tensor, what: str = "tensor") -> list[int]:
-    """Mesh dims over which DTensor `t` is sharded along tensor dim 0 (empty: replicated/plain)."""
+def shard0_mesh_dims(t: torch.Tensor, what: str = "tensor", allow_strided: bool = False) -> list[int]:
+    """Mesh dims over which DTensor `t` is sharded along tensor dim 0 (empty: replicated/plain).
+    `allow_strided`: also count `_StridedShard(0)` (FSDP2 over expert-parallel expert stacks)."""
     if not is_dtensor(t):
         return []
+    split_types = (Shard, _StridedShard) if allow_strided else (Shard,)
     dims = []
     for mesh_dim, placement in enumerate(t.placements):
-        if isinstance(placement, Shard) and placement.dim == 0:
+        if isinstance(placement, split_types) and placement.dim == 0:
             dims.append(mesh_dim)
         elif not isinstance(placement, Replicate):
             raise ValueError(

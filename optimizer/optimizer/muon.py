@@ -16,7 +16,8 @@ Placement rules (what decides the communication):
   * plain tensor or fully replicated DTensor: orthogonalise locally.
   * 3-D expert stack sharded along dim 0 (the expert dim): every rank holds whole experts, so NS runs
     locally per expert; no communication. FSDP2's uneven shards only mean some ranks hold fewer
-    (possibly zero) experts; the DTensor's local tensor is already unpadded.
+    (possibly zero) experts; the DTensor's local tensor is already unpadded. The same holds for expert
+    stacks sharded over expert-parallel ranks and then by FSDP2 (placements (_StridedShard(0), Shard(0))).
   * 2-D matrix sharded along dim 0 over one mesh dim: the FULL matrix is orthogonalised, never a shard.
     Each matrix gets one owner rank (greedy longest-processing-time over NS FLOPs, so deterministic from
     shapes alone). Matrices are processed in chunks of `world` matrices: an all-to-all sends every rank's
@@ -63,8 +64,10 @@ def _matrix_shape(shape: torch.Size, row_split: int) -> tuple[int, int]:
 
 def _split_mesh_dims(p: torch.Tensor) -> list[int]:
     """Mesh dims that really split dim 0 of `p` (Shard(0) over more than one rank); a 1-rank FSDP2 mesh
-    (single-GPU bf16 training) holds the full matrix, so it takes the local path."""
-    return [d for d in shard0_mesh_dims(p, f"Muon parameter of shape {tuple(p.shape)}") if p.device_mesh.size(d) > 1]
+    (single-GPU bf16 training) holds the full matrix, so it takes the local path. Expert stacks may also
+    carry FSDP2's _StridedShard(0) over expert parallel: still whole experts per rank."""
+    what = f"Muon parameter of shape {tuple(p.shape)}"
+    return [d for d in shard0_mesh_dims(p, what, allow_strided=p.ndim == 3) if p.device_mesh.size(d) > 1]
 
 
 def _ns_flops(shape: torch.Size, row_split: int, steps: int) -> float:
