@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llm_training.config.errors import ConfigError
+from llm_training.errors import ConfigError
 
 DISPATCHER_KEY = "[parallelism] expert_parallel_dispatcher"
 
