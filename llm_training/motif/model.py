@@ -49,6 +49,7 @@ class TransformerBlock(nn.Module):
         attention_backend: str = "auto",
     ):
         super().__init__()
+        args = args.for_layer(layer_idx)  # per-layer PolyNorm output scale
         H, eps = args.hidden_size, args.rms_norm_eps
         self.layer_idx, self.init_std = layer_idx, args.initializer_range
         sliding = is_sliding_layer(layer_idx, args)
@@ -126,7 +127,8 @@ class Motif3Model(nn.Module):
         self.norm = RMSNorm(H, args.rms_norm_eps)
         self.lm_head = nn.Linear(H, args.vocab_size, bias=False)
         self.mtp_layers = nn.ModuleList(
-            MTPModule(args, rope_sliding, attention_backend) for _ in range(args.num_nextn_predict_layers)
+            MTPModule(args.for_layer(args.num_hidden_layers + k), rope_sliding, attention_backend)
+            for k in range(args.num_nextn_predict_layers)
         )
 
     # ------------------------------------------------------------------ init / knobs
