@@ -16,7 +16,9 @@ The rope rows are the last `qk_rope_head_dim` rows of every head block of `self_
 the last `qk_rope_head_dim` rows of `self_attn.wkv_a.weight` (main layers and MTP layers alike).
 
 Dtypes on export: tensors matching FP32_KEY_PATTERNS (router gate, expert_bias, PolyNorm act_fn, mHC)
-stay fp32; everything else is cast to the export dtype.
+stay fp32; everything else is cast to the export dtype. Values are written as stored: the routed-expert
+PolyNorm bias is clamped by the forward (ours, and Motif's vLLM at load time), not by the export, so an
+HF -> DCP -> HF round trip is exact.
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ def run_hf_config(args: Motif3ModelArgs, initial_load_path: str = "", initial_lo
     if not (initial_load_path and initial_load_format == "hf"):
         return hf_config_from_args(args)
     source = Path(initial_load_path).resolve()
+    if not (source / "config.json").is_file():  # e.g. resuming after the source directory was removed
+        logger.warning("%s has no config.json: the run's export starts from a fresh config.json", source)
+        return hf_config_from_args(args)
     return merge_into_base(args, read_hf_config_dict(source)) | {SOURCE_DIR_KEY: str(source)}
 
 
@@ -302,10 +307,6 @@ def export_hf_state_dict(
     for key, w in state.items():
         w = w.detach().cpu()
         w = w.float() if is_fp32_key(key) else w.to(dtype)
-        if key.endswith("moe.experts.act_fn.bias") and args.polynorm_bias_clamp is not None:
-            # Training clamps the routed-expert PolyNorm bias in the forward only (model-spec §1.1), so the
-            # stored value can drift past the bound; export what the forward uses, for servers that don't clamp.
-            w = w.clamp(-args.polynorm_bias_clamp, args.polynorm_bias_clamp)
         hf[to_hf_key(key)] = to_hf_tensor(key, w, args).contiguous()
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from llm_training.config import ConfigError, grad_accumulation_steps, to_toml
 from llm_training.motif import get_flavor
-from llm_training.motif.state_dict_adapter import hf_config_from_args
+from llm_training.motif.state_dict_adapter import run_hf_config
 from llm_training.trainer.checkpoint import (
     BlobState,
     CheckpointManager,
@@ -211,7 +211,8 @@ class Trainer:
         self.model.set_record_max_logits(self.qk_clip_threshold > 0)
 
         self.run_folder = Path(c.run_folder)
-        self.train_state = TrainState(to_toml(c), _json(hf_config_from_args(self.model_args)))
+        model_config = run_hf_config(self.model_args, c.checkpoint.initial_load_path, c.checkpoint.initial_load_format)
+        self.train_state = TrainState(to_toml(c), _json(model_config))
         self.checkpointer = None
         if c.checkpoint.enable:
             self.checkpointer = CheckpointManager(
