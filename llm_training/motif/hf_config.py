@@ -165,7 +165,8 @@ def _same_value(base, ours) -> bool:
 def merge_into_base(args: Motif3ModelArgs, base: dict | None) -> dict:
     """The config.json for `args` written over a base config.json (the one a run started from): the base is
     kept as it is when it already reads back as `args`; otherwise only the fields whose value differs are
-    replaced. Unknown base fields are always kept; `_name_or_path` (where the base came from) is dropped."""
+    replaced, and missing fields added where their (Motif) default is not what `args` needs. Unknown base
+    fields are always kept; `_name_or_path` (where the base came from) is dropped."""
     if not base:
         return hf_config_from_args(args)
     merged = {k: v for k, v in base.items() if k != "_name_or_path"}
@@ -174,11 +175,18 @@ def merge_into_base(args: Motif3ModelArgs, base: dict | None) -> dict:
             return merged
     except ValueError:
         pass  # e.g. the run changed max_seq_len, so the base's rope fields no longer agree with each other
-    for key, value in hf_config_from_args(args).items():
-        if key in ("architectures", "model_type") and key in merged:
-            continue
-        if key not in merged or not _same_value(merged[key], value):
+    ours = hf_config_from_args(args)
+    for key, value in ours.items():  # replace the base fields whose value differs
+        if key in merged and key not in ("architectures", "model_type") and not _same_value(merged[key], value):
             merged[key] = value
+    try:
+        back = args_from_hf_config(merged)
+    except ValueError:
+        back = None
+    for name in (f.name for f in dataclasses.fields(args)):  # add the missing fields that are still needed
+        key = "max_position_embeddings" if name == "max_seq_len" else name
+        if key not in merged and (back is None or getattr(back, name) != getattr(args, name)):
+            merged[key] = ours[key]
     back = args_from_hf_config(merged)
     if back != args:  # a kept base field changes the meaning: a bug in this module, not the user's input
         diff = [f.name for f in dataclasses.fields(args) if getattr(back, f.name) != getattr(args, f.name)]

@@ -315,3 +315,29 @@ def test_hf_half_split_rope_on_exported_rows_equals_our_interleaved_rope():
     logits_hf = torch.einsum("ihd,jd->hij", hf_q, hf_k[:, 0])
     logits_ours = torch.einsum("ihd,jd->hij", ours_q, ours_k[:, 0])
     torch.testing.assert_close(logits_hf, logits_ours, atol=1e-3, rtol=1e-4)
+
+
+def test_run_config_from_an_hf_dir_changes_only_what_training_changed(tmp_path):
+    """A run started from an HF directory records that directory's config.json (unknown fields and
+    representation kept) and its path; exporting it after the run changed an architecture field (here the
+    context length, which switches YaRN on) rewrites only the fields that depend on it, and carries the
+    directory's other files."""
+    from llm_training.motif.state_dict_adapter import SOURCE_DIR_KEY, run_hf_config
+
+    src = tmp_path / "src"
+    _write_independent_hf_dir(src.mkdir() or src, _model(0))
+    base = json.loads((src / "config.json").read_text()) | {"unknown_field": [1, 2]}
+    (src / "config.json").write_text(json.dumps(base))
+    (src / "tokenizer_config.json").write_text('{"x": 1}')
+    stored = run_hf_config(ARGS, str(src), "hf")
+    assert stored == base | {SOURCE_DIR_KEY: str(src.resolve())}
+
+    longer = ARGS.replace(max_seq_len=4 * ARGS.original_seq_len, rope_factor=4.0)
+    model = Motif3Model(longer)
+    model.init_weights()
+    export_hf_checkpoint(model, tmp_path / "out", dtype=torch.float32, base_config=stored)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    changed = {k for k in written if written[k] != base.get(k)}
+    assert changed == {"max_position_embeddings", "rope_factor", "rope_scaling"}
+    assert written["unknown_field"] == [1, 2] and args_from_hf_config(written) == longer
+    assert (tmp_path / "out" / "tokenizer_config.json").read_text() == '{"x": 1}'
