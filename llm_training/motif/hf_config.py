@@ -262,7 +262,8 @@ def args_from_hf_config(config: dict) -> Motif3ModelArgs:
     if unknown and tuple(unknown) not in _reported_unknown:
         _reported_unknown.add(tuple(unknown))
         logger.warning(
-            "config.json: fields unknown to Motif3ModelArgs (kept on export, unused): %s", ", ".join(unknown)
+            "config.json: fields unknown to Motif3ModelArgs (unused; kept by an export that starts from this config.json): %s",
+            ", ".join(unknown),
         )
     args = Motif3ModelArgs(**values)
     args.validate()
