@@ -235,11 +235,12 @@ def args_from_hf_config(config: dict) -> Motif3ModelArgs:
 
     for key, want in _FIXED.items():
         # diff_v2 / headwise_attn_output_gate are not read by Motif's Motif-3 code: checked only when present
-        have = get(key) if key in ("use_sliding_window", "sliding_window_pattern") else config.get(key, want)
+        read_by_motif = key in ("use_sliding_window", "sliding_window_pattern")
+        have = get(key) if read_by_motif else config.get(key, want)
         if have != want:
+            missing = f"; Motif's vLLM reads a missing field as {MOTIF_FIELDS[key][0]!r}" if read_by_motif else ""
             raise ValueError(
-                f"config.json field {key!r} = {have!r} is not supported (this model implements {key} = "
-                f"{want!r}; Motif's vLLM reads a missing field as {MOTIF_FIELDS[key][0]!r})"
+                f"config.json field {key!r} = {have!r} is not supported (this model implements {key} = {want!r}{missing})"
             )
     if values.get("score_before_experts"):
         raise ValueError(
