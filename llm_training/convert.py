@@ -2,10 +2,14 @@
 
   hf-to-dcp SRC_HF_DIR DST_DCP_DIR
       HF safetensors (+ config.json) -> a DCP directory holding `model.*` (our keys, our RoPE layout) and the
-      model config, loadable with `[checkpoint] initial_load_path = DST, initial_load_format = "dcp"`.
+      source's config.json (with its path), loadable with `[checkpoint] initial_load_path = DST,
+      initial_load_format = "dcp"`.
   dcp-to-hf SRC_DCP_DIR DST_HF_DIR [--dtype bfloat16|float32] [--flavor NAME]
       A DCP checkpoint of ours (a training `step-N/` dir, or an hf-to-dcp output) -> HF safetensors shards +
-      index + config.json. The model is built from the config stored in the checkpoint (or --flavor).
+      index + config.json. The model is built from the config stored in the checkpoint (or --flavor). When
+      that config came from an HF directory (a run started from it, or hf-to-dcp), config.json starts from it
+      (unknown fields kept) and the directory's other files (tokenizer, generation config, remote code) are
+      copied, if it still exists.
 Runs in one CPU process (no torch.distributed needed).
 """
 
@@ -21,11 +25,10 @@ import torch
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def _stored_model_args(dcp_dir: Path):
-    """The Motif3ModelArgs saved in a DCP checkpoint's `train_state.model_config_json`."""
+def _stored_hf_config(dcp_dir: Path) -> dict:
+    """The config.json dict saved in a DCP checkpoint's `train_state.model_config_json` (a run's
+    `state_dict_adapter.run_hf_config`: for a run started from an HF directory, that directory's config)."""
     import torch.distributed.checkpoint as dcp
-
-    from llm_training.motif.state_dict_adapter import args_from_hf_config
 
     state = {"train_state": {"model_config_json": ""}}
     try:
@@ -35,7 +38,7 @@ def _stored_model_args(dcp_dir: Path):
             f"{dcp_dir}: cannot read train_state.model_config_json ({type(e).__name__}: {e}); "
             "pass --flavor NAME to say which model the checkpoint holds"
         ) from None
-    return args_from_hf_config(json.loads(state["train_state"]["model_config_json"]))
+    return json.loads(state["train_state"]["model_config_json"])
 
 
 def hf_to_dcp(src: Path, dst: Path) -> None:
@@ -44,9 +47,9 @@ def hf_to_dcp(src: Path, dst: Path) -> None:
     from llm_training.motif.model import Motif3Model
     from llm_training.motif.state_dict_adapter import (
         check_state_dict_matches,
-        hf_config_from_args,
         read_hf_config,
         read_hf_state_dict,
+        run_hf_config,
     )
 
     args = read_hf_config(src)
@@ -55,7 +58,7 @@ def hf_to_dcp(src: Path, dst: Path) -> None:
     state = read_hf_state_dict(src, args)
     check_state_dict_matches(state, expected, f"HF checkpoint {src}")
     dcp.save(
-        {"model": state, "train_state": {"model_config_json": json.dumps(hf_config_from_args(args), sort_keys=True)}},
+        {"model": state, "train_state": {"model_config_json": json.dumps(run_hf_config(args, str(src), "hf"))}},
         checkpoint_id=str(dst),
         no_dist=True,
     )
@@ -64,16 +67,17 @@ def hf_to_dcp(src: Path, dst: Path) -> None:
 def dcp_to_hf(src: Path, dst: Path, dtype: str, flavor: str | None) -> None:
     from llm_training.motif import get_flavor
     from llm_training.motif.model import Motif3Model
-    from llm_training.motif.state_dict_adapter import export_hf_checkpoint
+    from llm_training.motif.state_dict_adapter import args_from_hf_config, export_hf_checkpoint
     from llm_training.trainer.checkpoint import load_model_weights_dcp
 
-    args = get_flavor(flavor) if flavor else _stored_model_args(src)
+    base_config = None if flavor else _stored_hf_config(src)
+    args = get_flavor(flavor) if flavor else args_from_hf_config(base_config)
     with torch.device("meta"):
         model = Motif3Model(args)
     model.to_empty(device="cpu")
     model.init_weights(buffer_device=torch.device("cpu"))  # every entry is then overwritten by the load
     load_model_weights_dcp(model, src)
-    export_hf_checkpoint(model, dst, dtype=DTYPES[dtype])
+    export_hf_checkpoint(model, dst, dtype=DTYPES[dtype], base_config=base_config)
 
 
 def main(argv: list[str] | None = None) -> int:

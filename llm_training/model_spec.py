@@ -42,9 +42,10 @@ class StepHooks(Protocol):
 
 @dataclass(frozen=True)
 class StateDictAdapter:
-    """HuggingFace interop of a family: its config.json from the model args, and weight import/export."""
+    """HuggingFace interop of a family: the config.json a run records (from the model args, or the HF directory it
+    started from), and weight import/export."""
 
-    hf_config_from_args: Callable[[Any], dict]
+    run_hf_config: Callable[[Any, str, str], dict]  # (model args, initial_load_path, initial_load_format)
     load_hf_checkpoint: Callable[[nn.Module, str], None]
     export_hf_checkpoint: Callable[..., None]
 

@@ -3,7 +3,8 @@ stacked routed experts run with `torch._grouped_mm` (per-expert loop fallback), 
 optional sequence-wise balance loss, and the expert-bias update rule.
 
 Router: fp32 logits u . e_i; scores s = sigmoid (or softmax over E); the top-k is chosen on s + expert_bias
-(selection only); weights = selected s, renormalised s / (sum + 1e-20) when route_norm, times route_scale,
+(selection only); weights = selected s, renormalised s / sum (no epsilon, as Motif's vLLM) when route_norm,
+times route_scale,
 multiplied onto the expert OUTPUTS (or inputs when score_before_experts). Weighted outputs are combined in
 fp32 and cast back.
 """
@@ -48,7 +49,7 @@ class TokenChoiceRouter(nn.Module):
         _, expert_ids = torch.topk(scores.detach() + expert_bias_E, self.top_k, dim=-1)  # bias: selection only
         weights = scores.gather(-1, expert_ids)
         if self.route_norm:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.route_scale, expert_ids, scores
 
 
@@ -103,7 +104,8 @@ def pad_token_groups(x_NH: torch.Tensor, counts_E: torch.Tensor, multiple: int):
 
 class GroupedExperts(nn.Module):
     """Routed experts stacked: gate_up_proj [E, 2I, H] (gate half first), down_proj [E, H, I], and a
-    per-expert PolyNorm act_fn (weight [E, 3], bias [E, 1], bias clamped to +-polynorm_bias_clamp)."""
+    per-expert PolyNorm act_fn (weight [E, 3], bias [E, 1], bias clamped to +-polynorm_bias_clamp).
+    As in Motif's vLLM (model-spec §0.2), gate/up and the activation output are clamped to +-hidden_clamp."""
 
     def __init__(self, args):
         super().__init__()
@@ -147,8 +149,13 @@ class GroupedExperts(nn.Module):
         matmul = self._grouped_matmul if grouped else self._looped_matmul
         gate_up = matmul(x_NH, gate_up_w, offs, counts)
         c = self.hidden_clamp
-        gate, up = gate_up.clamp(-c, c).split(self.intermediate_size, dim=-1)
+        if c is not None:
+            gate_up = gate_up.clamp(-c, c)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         h = self.act_fn(gate, up, offs)
+        if c is not None:  # Motif clamps (P(gate) * up) to +-c before the output scale: the same bound, scaled
+            bound = c * abs(self.act_fn.output_scale)
+            h = h.clamp(-bound, bound)
         out = matmul(h, down_w, offs, counts)
         return out if rows is None else out[rows]
 
@@ -179,7 +186,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.empty(args.num_experts, dtype=torch.float32), persistent=True)
         self.experts = GroupedExperts(args)
         self.shared_experts = (
-            FeedForward(args.hidden_size, args.moe_intermediate_size * args.num_shared_experts, args)
+            FeedForward(args.hidden_size, args.moe_intermediate_size * args.num_shared_experts, args, args.hidden_clamp)
             if args.num_shared_experts > 0
             else None
         )

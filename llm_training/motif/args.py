@@ -15,13 +15,17 @@ Choices made where the spec is open (each is a named field, so it can be changed
     coefficient is 1.0 throughout (the published end state). A warm-up from 1.0 can be set per flavor.
   * `mtp_feeds_post_norm_hidden` = True: MTP takes final_norm(collapsed main hidden) (§0.1 MTP wiring).
   * sliding-layer rule `layer_idx % sliding_window_period != 0` (§0.1, the code-authoritative rule).
+  * `polynorm_output_scale_per_layer`: {"layer index": scale} overrides of `polynorm_output_scale` for one
+    layer's MLP / MoE (routed and shared experts); MTP module k is layer `num_hidden_layers + k` (as in
+    Motif's vLLM, model-spec §0.2). Empty by default (the published checkpoint sets none we know of).
+  * `hidden_clamp` / `polynorm_bias_clamp` may be None (no clamp), as in Motif's config.json.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -90,8 +94,9 @@ class Motif3ModelArgs:
     hidden_act: str = "poly_norm"
     polynorm_sigmoid_weight: bool = True
     polynorm_output_scale: float = 0.5
-    polynorm_bias_clamp: float = 0.5  # routed experts only
-    hidden_clamp: float = 1e6  # gate/up pre-clamp (1e6 => effectively off)
+    polynorm_output_scale_per_layer: dict = field(default_factory=dict)  # {"layer idx": scale}, JSON-style keys
+    polynorm_bias_clamp: float | None = 0.5  # routed experts only; None = no clamp
+    hidden_clamp: float | None = 1e6  # routed + shared experts: gate/up and routed output (1e6 => ~off)
     polynorm_eps: float = 1e-6
     polynorm_init_weight: float = 1.0 / 3.0  # raw weight init (sigmoid applied on top)
 
@@ -131,6 +136,12 @@ class Motif3ModelArgs:
             scale *= self.yarn_mscale**2
         return scale
 
+    def for_layer(self, layer_idx: int) -> "Motif3ModelArgs":
+        """The args layer `layer_idx` is built with: `polynorm_output_scale` taken from
+        `polynorm_output_scale_per_layer` when it names the layer (MTP module k is layer num_hidden_layers + k)."""
+        scale = self.polynorm_output_scale_per_layer.get(str(layer_idx))
+        return self if scale is None else dataclasses.replace(self, polynorm_output_scale=float(scale))
+
     def validate(self) -> None:
         """Raise ValueError naming the field when the shape is inconsistent."""
         errs = []
@@ -158,6 +169,18 @@ class Motif3ModelArgs:
             errs.append(f"hidden_act must be 'poly_norm', got {self.hidden_act!r}")
         if self.sliding_window_period < 1 or self.interleave_moe_layer_step < 1:
             errs.append("sliding_window_period and interleave_moe_layer_step must be >= 1")
+        n_layers = self.num_hidden_layers + self.num_nextn_predict_layers
+        for key, scale in self.polynorm_output_scale_per_layer.items():
+            if not (isinstance(key, str) and key.isdigit() and int(key) < n_layers) or not isinstance(
+                scale, (int, float)
+            ):
+                errs.append(
+                    f"polynorm_output_scale_per_layer[{key!r}] = {scale!r}: keys must be layer indices as strings "
+                    f"(0..{n_layers - 1}, MTP module k is num_hidden_layers + k) and values numbers"
+                )
+        for name in ("hidden_clamp", "polynorm_bias_clamp"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                errs.append(f"{name} must be positive or None (no clamp), got {getattr(self, name)!r}")
         for name in ("lambda_init", "gate_init"):
             if getattr(self, name) not in ("zeros", "normal"):
                 errs.append(f"{name} must be 'zeros' or 'normal'")

@@ -54,6 +54,7 @@ class TransformerBlock(nn.Module):
         attention_backend: str = "auto",
     ):
         super().__init__()
+        args = args.for_layer(layer_idx)  # per-layer PolyNorm output scale
         H, eps = args.hidden_size, args.rms_norm_eps
         self.layer_idx, self.init_std = layer_idx, args.initializer_range
         sliding = is_sliding_layer(layer_idx, args)
@@ -131,7 +132,8 @@ class Motif3Model(nn.Module):
         self.norm = RMSNorm(H, args.rms_norm_eps)
         self.lm_head = OutputHead(H, args.vocab_size)
         self.mtp_layers = nn.ModuleList(
-            MTPModule(args, rope_sliding, attention_backend) for _ in range(args.num_nextn_predict_layers)
+            MTPModule(args.for_layer(args.num_hidden_layers + k), rope_sliding, attention_backend)
+            for k in range(args.num_nextn_predict_layers)
         )
         self.attention_backend = attention_backend
         self._attention = [m for m in self.modules() if isinstance(m, GDLAttention)]  # trunk then MTP, model order

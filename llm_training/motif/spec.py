@@ -9,9 +9,9 @@ from llm_training.motif.optimizer_groups import motif_optimizer_rules
 from llm_training.motif.parallelize import parallelize_motif
 from llm_training.motif.state_dict_adapter import (
     export_hf_checkpoint,
-    hf_config_from_args,
     is_fp32_key,
     load_hf_checkpoint,
+    run_hf_config,
 )
 from llm_training.motif.step_hooks import MotifStepHooks
 
@@ -30,7 +30,7 @@ MOTIF3_SPEC = ModelSpec(
     parallelize=parallelize_motif,
     optimizer_rules=motif_optimizer_rules,
     is_fp32_param=is_fp32_key,
-    state_dict_adapter=StateDictAdapter(hf_config_from_args, load_hf_checkpoint, export_hf_checkpoint),
+    state_dict_adapter=StateDictAdapter(run_hf_config, load_hf_checkpoint, export_hf_checkpoint),
     build_step_hooks=MotifStepHooks,
     head_weight=lambda model: model.lm_head.weight,
     num_mtp_modules=lambda model_args: model_args.num_nextn_predict_layers,

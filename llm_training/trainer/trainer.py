@@ -221,7 +221,10 @@ class Trainer:
         self.compile_loss = c.compile.enable and "loss" in c.compile.components
 
         self.run_folder = Path(c.run_folder)
-        self.train_state = TrainState(to_toml(c), _json(spec.state_dict_adapter.hf_config_from_args(self.model_args)))
+        model_config = spec.state_dict_adapter.run_hf_config(
+            self.model_args, c.checkpoint.initial_load_path, c.checkpoint.initial_load_format
+        )
+        self.train_state = TrainState(to_toml(c), _json(model_config))
         self.checkpointer = None
         if c.checkpoint.enable:
             self.checkpointer = CheckpointManager(

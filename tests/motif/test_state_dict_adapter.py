@@ -70,14 +70,20 @@ def test_config_round_trip_and_published_field_names():
         "vocab_size",
     ):
         assert name in cfg
-    assert cfg["rope_scaling"] == {
+    assert cfg["rope_scaling"] is None  # YaRN inactive (max_seq_len == original_seq_len): plain RoPE for Motif too
+    assert cfg["architectures"] == ["MotifForCausalLM"] and cfg["model_type"] == "Motif"
+    assert cfg["use_sliding_window"] is True
+    long = ARGS.replace(max_seq_len=4 * ARGS.original_seq_len, rope_factor=4.0)
+    assert hf_config_from_args(long)["rope_scaling"] == {
         "type": "yarn",
-        "factor": ARGS.rope_factor,
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": ARGS.original_seq_len,
         "beta_fast": ARGS.beta_fast,
         "beta_slow": ARGS.beta_slow,
-        "mscale": ARGS.mscale,
-        "original_max_position_embeddings": ARGS.original_seq_len,
+        "apply_yarn_scaling": False,
     }
+    assert args_from_hf_config(json.loads(json.dumps(hf_config_from_args(long)))) == long
     assert cfg["max_position_embeddings"] == ARGS.max_seq_len
     assert args_from_hf_config(json.loads(json.dumps(cfg))) == ARGS
 
@@ -94,6 +100,8 @@ def test_unknown_fields_are_dropped_with_a_warning(caplog):
     [
         ({"hidden_size": "64"}, "hidden_size"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type"),
+        ({"use_sliding_window": False}, "use_sliding_window"),
+        ({"load_balance_coeff": None}, "load_balance_coeff"),
         ({"diff_v2": False}, "diff_v2"),
         ({"num_noise_heads": 3}, "num_noise_heads"),
     ],
@@ -114,21 +122,20 @@ def test_export_then_import_reproduces_logits_exactly(tmp_path):
     _assert_same_logits(src, dst, ids)
 
 
-def test_export_clamps_drifted_routed_expert_polynorm_bias(tmp_path):
-    """A routed-expert PolyNorm bias stored beyond +-polynorm_bias_clamp is exported as the forward uses it
-    (clamped), so the logits after import are unchanged; the dense-MLP bias (never clamped) is kept as is."""
+def test_export_writes_a_drifted_routed_expert_polynorm_bias_as_stored(tmp_path):
+    """A routed-expert PolyNorm bias stored beyond +-polynorm_bias_clamp is exported unchanged (the forward
+    clamps it, ours and Motif's vLLM at load time), so the logits after import are unchanged and an
+    HF -> DCP -> HF round trip stays exact."""
     from safetensors import safe_open
 
     src, dst, ids = _model(0), _model(1), _ids()
     bound = ARGS.polynorm_bias_clamp
     with torch.no_grad():
         src.layers[2].moe.experts.act_fn.bias.fill_(3 * bound)
-        src.layers[0].mlp.act_fn.bias.fill_(3 * bound)
     export_hf_checkpoint(src, tmp_path, dtype=torch.float32)
     (shard,) = sorted(tmp_path.glob("*.safetensors"))
     with safe_open(str(shard), framework="pt") as f:
-        assert torch.all(f.get_tensor("model.layers.2.moe.experts.act_fn.bias") == bound)
-        assert torch.all(f.get_tensor("model.layers.0.mlp.act_fn.bias") == 3 * bound)
+        assert torch.all(f.get_tensor("model.layers.2.moe.experts.act_fn.bias") == 3 * bound)
     load_hf_checkpoint(dst, tmp_path)
     _assert_same_logits(src, dst, ids)
 
@@ -167,20 +174,30 @@ def _write_independent_hf_dir(path, model):
             w = torch.cat(
                 [w[: a.kv_lora_rank], _half_split_rows(w[a.kv_lora_rank :], 1, a.qk_rope_head_dim, a.qk_rope_head_dim)]
             )
+        elif key.endswith(("alpha_pre", "alpha_post", "alpha_res")):
+            w = w.reshape(1)  # Motif stores the mHC gains with shape [1]
+        key = key.replace("mhc_attn.norm.", "mhc_attn.rms_norm.").replace("mhc_ffn.norm.", "mhc_ffn.rms_norm.")
         tensors[key if key.startswith("lm_head") else f"model.{key}"] = w.contiguous()
     save_file(tensors, str(path / "model.safetensors"))
     config = {
-        "architectures": ["Motif3ForCausalLM"],
-        "model_type": "motif3",
+        "architectures": ["MotifForCausalLM"],
+        "model_type": "Motif",
         "vocab_size": a.vocab_size,
         "hidden_size": a.hidden_size,
         "num_hidden_layers": a.num_hidden_layers,
         "intermediate_size": a.intermediate_size,
         "n_dense_first_layers": a.n_dense_first_layers,
+        "interleave_moe_layer_step": 1,
         "num_experts": a.num_experts,
         "experts_top_k": a.experts_top_k,
         "num_shared_experts": 1,
         "moe_intermediate_size": a.moe_intermediate_size,
+        "score_func": "sigmoid",
+        "route_norm": True,
+        "route_scale": a.route_scale,
+        "load_balance_coeff": a.load_balance_coeff,
+        "hidden_act": "poly_norm",
+        "rms_norm_eps": a.rms_norm_eps,
         "num_attention_heads": a.num_attention_heads,
         "num_key_value_heads": a.num_key_value_heads,
         "num_noise_heads": a.num_noise_heads,
@@ -189,18 +206,25 @@ def _write_independent_hf_dir(path, model):
         "v_head_dim": a.v_head_dim,
         "q_lora_rank": a.q_lora_rank,
         "kv_lora_rank": a.kv_lora_rank,
+        "elementwise_attn_output_gate": True,
+        "use_sliding_window": True,
         "sliding_window": a.sliding_window,
+        "sliding_window_period": a.sliding_window_period,
+        "rope_theta": a.rope_theta,
+        "swa_rope_theta": a.swa_rope_theta,
         "max_position_embeddings": a.max_seq_len,
+        "original_seq_len": a.original_seq_len,
+        "rope_factor": a.rope_factor,
+        "mscale": a.mscale,
+        "rope_scaling": None,
+        "mhc_enabled": True,
+        "mhc_expansion_rate": a.mhc_expansion_rate,
+        "mhc_sinkhorn_iters": a.mhc_sinkhorn_iters,
+        "polynorm_output_scale": a.polynorm_output_scale,
+        "polynorm_bias_clamp": a.polynorm_bias_clamp,
+        "hidden_clamp": a.hidden_clamp,
+        "num_nextn_predict_layers": 1,
         "diff_v2": True,
-        "headwise_attn_output_gate": False,
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": a.rope_factor,
-            "beta_fast": a.beta_fast,
-            "beta_slow": a.beta_slow,
-            "mscale": a.mscale,
-            "original_max_position_embeddings": a.original_seq_len,
-        },
         "torch_dtype": "float32",
         "transformers_version": "5.0.0",
     }
@@ -291,3 +315,29 @@ def test_hf_half_split_rope_on_exported_rows_equals_our_interleaved_rope():
     logits_hf = torch.einsum("ihd,jd->hij", hf_q, hf_k[:, 0])
     logits_ours = torch.einsum("ihd,jd->hij", ours_q, ours_k[:, 0])
     torch.testing.assert_close(logits_hf, logits_ours, atol=1e-3, rtol=1e-4)
+
+
+def test_run_config_from_an_hf_dir_changes_only_what_training_changed(tmp_path):
+    """A run started from an HF directory records that directory's config.json (unknown fields and
+    representation kept) and its path; exporting it after the run changed an architecture field (here the
+    context length, which switches YaRN on) rewrites only the fields that depend on it, and carries the
+    directory's other files."""
+    from llm_training.motif.state_dict_adapter import SOURCE_DIR_KEY, run_hf_config
+
+    src = tmp_path / "src"
+    _write_independent_hf_dir(src.mkdir() or src, _model(0))
+    base = json.loads((src / "config.json").read_text()) | {"unknown_field": [1, 2]}
+    (src / "config.json").write_text(json.dumps(base))
+    (src / "tokenizer_config.json").write_text('{"x": 1}')
+    stored = run_hf_config(ARGS, str(src), "hf")
+    assert stored == base | {SOURCE_DIR_KEY: str(src.resolve())}
+
+    longer = ARGS.replace(max_seq_len=4 * ARGS.original_seq_len, rope_factor=4.0)
+    model = Motif3Model(longer)
+    model.init_weights()
+    export_hf_checkpoint(model, tmp_path / "out", dtype=torch.float32, base_config=stored)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    changed = {k for k in written if written[k] != base.get(k)}
+    assert changed == {"max_position_embeddings", "rope_factor", "rope_scaling"}
+    assert written["unknown_field"] == [1, 2] and args_from_hf_config(written) == longer
+    assert (tmp_path / "out" / "tokenizer_config.json").read_text() == '{"x": 1}'

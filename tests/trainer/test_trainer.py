@@ -233,3 +233,22 @@ def test_out_of_memory_names_step_and_config_keys(make_config):
         trainer.fit()
     msg = str(e.value)
     assert "step 2" in msg and "training.local_batch_size" in msg and "activation_checkpoint.mode" in msg
+
+
+def test_run_started_from_an_hf_dir_records_its_config_for_export(make_config, tmp_path):
+    """train_state.model_config_json of a run started from an HF directory is that directory's config.json
+    (an unknown field kept) plus its path, from which `convert dcp-to-hf` exports and copies its files."""
+    import json
+
+    from llm_training.motif import get_flavor
+    from llm_training.motif.model import Motif3Model
+    from llm_training.motif.state_dict_adapter import SOURCE_DIR_KEY, export_hf_checkpoint
+
+    source = Motif3Model(get_flavor("motif3_debug"))
+    source.init_weights()
+    export_hf_checkpoint(source, tmp_path / "hf", dtype=torch.float32)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text()) | {"release_note": "kept"}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    trainer = Trainer(make_config(f"--checkpoint.initial_load_path={tmp_path / 'hf'}"), DIMS)
+    stored = json.loads(trainer.train_state.model_config_json)
+    assert stored == config | {SOURCE_DIR_KEY: str((tmp_path / "hf").resolve())}
