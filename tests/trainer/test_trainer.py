@@ -249,6 +249,6 @@ def test_run_started_from_an_hf_dir_records_its_config_for_export(make_config, t
     export_hf_checkpoint(source, tmp_path / "hf", dtype=torch.float32)
     config = json.loads((tmp_path / "hf" / "config.json").read_text()) | {"release_note": "kept"}
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    trainer = Trainer(make_config(f"--checkpoint.initial_load_path={tmp_path / 'hf'}"), DIMS)
+    trainer = Trainer(make_config(f"--checkpoint.initial_load_path={tmp_path / 'hf'}"), DIMS, CPU)
     stored = json.loads(trainer.train_state.model_config_json)
     assert stored == config | {SOURCE_DIR_KEY: str((tmp_path / "hf").resolve())}
