@@ -32,16 +32,17 @@ from llm_training.config import ConfigError, grad_accumulation_steps, to_toml
 from llm_training.motif import get_flavor
 from llm_training.motif.state_dict_adapter import hf_config_from_args
 from llm_training.trainer.checkpoint import (
-    BlobState,
     CheckpointManager,
     ModelState,
+    RankStates,
     load_model_weights_dcp,
+    restore_rng_of_rank,
     rng_state,
-    set_rng_state,
 )
 from llm_training.trainer.grad_clip import clip_grad_norm
 from llm_training.trainer.losses import count_labelled_tokens, micro_batch_loss
 from llm_training.trainer.metrics import MetricsLogger, StepRecord, expert_load_imbalance
+from llm_training.trainer.resume import reapply_lr_schedule, warn_changed_config
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class TrainState:
         self.wandb_run_id = ""
         self.config_toml = config_toml
         self.model_config_json = model_config_json
+        self.resumed_config_toml = ""  # the config of the checkpoint resumed from
 
     def state_dict(self) -> dict:
         return {
@@ -95,6 +97,7 @@ class TrainState:
         self.step = int(state["step"])
         self.skipped_steps = int(state["skipped_steps"])
         self.wandb_run_id = str(state["wandb_run_id"])
+        self.resumed_config_toml = str(state["config_toml"])
 
 
 class _StopSignal:
@@ -215,31 +218,35 @@ class Trainer:
         self.checkpointer = None
         if c.checkpoint.enable:
             self.checkpointer = CheckpointManager(
-                self.run_folder / c.checkpoint.folder, c.checkpoint.keep_latest_k, c.checkpoint.async_mode
+                self.run_folder / c.checkpoint.folder,
+                c.checkpoint.keep_latest_k,
+                c.checkpoint.async_mode,
+                c.checkpoint.on_damaged,
             )
         self.stop_signal = _StopSignal()
         self.nonfinite_in_a_row = 0
 
     # ------------------------------------------------------------------ checkpoint state
     def checkpoint_state(self) -> dict:
-        """The components of one checkpoint (per-rank data loader / RNG under per-rank keys)."""
+        """The components of one checkpoint (every rank's data loader / RNG state under one key each)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
         return {
             "model": ModelState(self.model),
             "optimizer": self.optimizers,
             "lr_scheduler": self.lr_scheduler,
-            f"dataloader_dp_rank_{self.dp_rank}": BlobState(
-                self.dataloader.state_dict, self.dataloader.load_state_dict
-            ),
-            f"rng_rank_{self.rank}": BlobState(rng_state, set_rng_state),
+            "dataloader": RankStates(self.dataloader.rank_state, self.dataloader.load_rank_states),
+            "rng": RankStates(rng_state, lambda states: restore_rng_of_rank(states, self.rank, world)),
             "train_state": self.train_state,
         }
 
     def _resume_or_initial_load(self) -> None:
         ck = self.job_config.checkpoint
-        latest = self.checkpointer.latest_step() if self.checkpointer else None
+        latest = self.checkpointer.load_latest(self.checkpoint_state()) if self.checkpointer else None
         if latest is not None:
-            self.checkpointer.load(latest, self.checkpoint_state())
             logger.info("resumed from %s (step %d)", self.checkpointer.step_dir(latest), self.train_state.step)
+            reapply_lr_schedule(self.lr_scheduler)  # hardening: the first resumed step uses the current schedule
+            if self.rank == 0:
+                warn_changed_config(self.train_state.resumed_config_toml, self.train_state.config_toml)
             self._warn_if_lr_differs_from_checkpoint()
         elif ck.initial_load_path:
             if ck.initial_load_format == "hf":
@@ -274,6 +281,7 @@ class Trainer:
     def train_step(self, micro_batches: list[dict]) -> StepRecord:
         t = self.job_config.training
         step = self.train_state.step
+        lr = self.lr_scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler steps after it)
         if hasattr(self.model, "set_mhc_progress"):
             # Progress = optimizer steps taken so far / total (0 on the first step), from the LR scheduler's
             # step count: it is checkpointed, so a resumed run sees the same schedule as an uninterrupted one.
@@ -351,7 +359,6 @@ class Trainer:
         global_tpe = None
         if tokens_per_expert:
             global_tpe = _all_reduce(torch.stack(tokens_per_expert).clone())
-        lr = self.lr_scheduler.get_last_lr()[0]
         return StepRecord(
             step=step,
             loss=parts[0].item(),
