@@ -159,10 +159,12 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def safe_dcp_load(state: dict[str, Any], path: str | os.PathLike) -> None:
-    """`dcp.load(state, path)` with the safe metadata reader and planner (every DCP load goes through here)."""
-    dcp.load(
-        state, storage_reader=_SafeReader(str(path)), planner=_SafeLoadPlanner(), no_dist=not dist.is_initialized()
-    )
+    """`dcp.load(state, path)` with the safe metadata reader and planner (every DCP load goes through here).
+    The metadata is read once up front so that a refused pickle raises UnpicklingError naming the global,
+    not DCP's wrapped exception (a BaseException)."""
+    reader = _SafeReader(str(path))
+    reader.read_metadata()
+    dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=not dist.is_initialized())
 
 
 # ------------------------------------------------------------------------------ stateful adapters

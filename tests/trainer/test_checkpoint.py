@@ -229,6 +229,6 @@ def test_metadata_naming_another_global_is_refused(tmp_path, capsys):
     marker["files"][".metadata"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (folder / COMPLETE_MARKER).write_text(json.dumps(marker))
     _, _, _, state2 = _setup(7)
-    with pytest.raises(Exception, match="builtins.print, which is not a DCP metadata type"):  # DCP wraps it
+    with pytest.raises(pickle.UnpicklingError, match="builtins.print, which is not a DCP metadata type"):
         mgr.load(2, state2)
     assert "this must not run" not in capsys.readouterr().out
