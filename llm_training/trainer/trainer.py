@@ -392,6 +392,7 @@ class Trainer:
             enable_tensorboard=c.metrics.enable_tensorboard,
             is_rank0=self.rank == 0,
             wandb_run_id=self.train_state.wandb_run_id or None,
+            start_step=start_step,
         )
         run_id = [metrics.wandb_run_id or ""]
         if dist.is_initialized():  # only rank 0 talks to wandb; every rank stores the same id in the checkpoint
