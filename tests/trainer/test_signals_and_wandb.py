@@ -1,5 +1,6 @@
 """SIGTERM in the middle of a run saves a checkpoint at the end of the current step and exits cleanly;
-wandb (offline) receives the logged metrics, and a resumed run continues the same wandb run."""
+wandb (offline) receives the logged metrics, and a resumed run continues the same wandb run (the run files
+are read once wandb has finished writing them, so the check does not depend on timing)."""
 
 import json
 import os
@@ -57,7 +58,7 @@ def _wandb_history(run_file):
     of protobuf `Record`s."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data, pos, chunk, rows, run_ids = run_file.read_bytes(), 7, b"", [], []
+    data, pos, chunk, rows, run_ids, exited = run_file.read_bytes(), 7, b"", [], [], False
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:
             pos += 32768 - pos % 32768
@@ -75,13 +76,35 @@ def _wandb_history(run_file):
                 rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
             elif record.WhichOneof("record_type") == "run":
                 run_ids.append(record.run.run_id)
-    return rows, run_ids
+            exited |= record.WhichOneof("record_type") == "exit"
+    return rows, run_ids, exited
+
+
+def _finished_history(run_file, timeout_s=120.0):
+    """`_wandb_history` of a run file once wandb's service has written all of it (its `exit` record): the
+    service may still be flushing the file when `wandb.finish()` returns, most visibly under load."""
+    deadline = time.time() + timeout_s
+    while True:
+        rows, run_ids, exited = _wandb_history(run_file)
+        if exited or time.time() > deadline:
+            return rows, run_ids
+        time.sleep(0.1)
+
+
+def _newest_run_file(wandb_dir):
+    """The .wandb file written last (by modification time, not by the second-resolution folder names)."""
+    return max(wandb_dir.glob("offline-run-*/run-*.wandb"), key=lambda f: f.stat().st_mtime_ns)
 
 
 def test_wandb_offline_logs_metrics_and_resumes_same_run(make_config, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_PROJECT", "llm-training-test")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # under parallel test load the wandb-core service can take longer than its 30 s / 90 s defaults to start
+    monkeypatch.setenv("WANDB__SERVICE_WAIT", "600")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "600")
+    for name in ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_NAME", "WANDB_DIR", "WANDB_ENTITY"):  # from the environment
+        monkeypatch.delenv(name, raising=False)
     first = train(
         make_config(
             "--training.steps=2", "--checkpoint.interval=1", "--metrics.enable_wandb", "--optimizer.name=adamw"
@@ -91,7 +114,7 @@ def test_wandb_offline_logs_metrics_and_resumes_same_run(make_config, tmp_path, 
     runs = sorted((first.run_folder / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     run_id = runs[0].name.rsplit("-", 1)[1]
-    rows, ids = _wandb_history(next(runs[0].glob("run-*.wandb")))
+    rows, ids = _finished_history(next(runs[0].glob("run-*.wandb")))
     assert ids == [run_id]
     assert [r["_step"] for r in rows] == [1, 2]
     assert [r["loss"] for r in rows] == [first.losses[1], first.losses[2]]
@@ -106,5 +129,5 @@ def test_wandb_offline_logs_metrics_and_resumes_same_run(make_config, tmp_path, 
     assert second.start_step == 2
     runs = sorted((first.run_folder / "wandb").glob("offline-run-*"))
     assert {r.name.rsplit("-", 1)[1] for r in runs} == {run_id}  # the same wandb run id continues
-    rows, ids = _wandb_history(next(runs[-1].glob("run-*.wandb")))
+    rows, ids = _finished_history(_newest_run_file(first.run_folder / "wandb"))
     assert set(ids) == {run_id} and rows[-1]["_step"] == 3 and rows[-1]["loss"] == second.losses[3]
