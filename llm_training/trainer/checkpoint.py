@@ -270,7 +270,12 @@ def _read_marker(folder: Path) -> dict:
     """The parsed `.complete` marker; raises CheckpointDamagedError when it is missing or unreadable."""
     path = folder / COMPLETE_MARKER
     try:
-        marker = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        if text.startswith("step "):
+            raise ValueError(
+                "a marker without checksums, from an older version whose checkpoints this one cannot resume"
+            )
+        marker = json.loads(text)
         if marker.get("format") != MARKER_FORMAT or not isinstance(marker.get("files"), dict):
             raise ValueError(f"format {marker.get('format')!r}, expected {MARKER_FORMAT} with a file list")
     except (OSError, ValueError, AttributeError) as e:
