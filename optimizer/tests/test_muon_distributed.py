@@ -1,7 +1,8 @@
 """Distributed Muon on 2 and 4 gloo CPU ranks with FSDP2 (`fully_shard`) parameters vs single-process Muon.
 
 One spawn per world size runs every case (spawning dominates the cost): row-sharded 2-D matrices with
-uneven shards (13 rows, and 3 rows on 4 ranks => one empty shard) go through the owner all-to-all path;
+uneven shards (13 rows, and 3 rows on 4 ranks => one empty shard; same-shape and transposed matrices that
+an owner orthogonalises in one batch; a 2-D row-split matrix) go through the owner all-to-all path;
 expert stacks sharded on the expert dim (uneven, 3 experts on 4 ranks) and a row-split gate_up stack take the
 local path. NS runs in fp32 and the all-to-all in fp32, so each owner orthogonalises exactly the matrix the
 single process sees: the results agree to fp32 rounding (atol 1e-6 after 3 steps).
@@ -21,8 +22,18 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import optimizer  # noqa: F401 - imported in the parent so forked ranks start warm
 
-SHAPES = {"w_a": (13, 10), "w_b": (3, 8), "w_c": (16, 24), "w_d": (9, 9), "experts": (3, 10, 6), "gate_up": (5, 8, 6)}
-ROW_SPLIT = {"gate_up": 2}
+SHAPES = {
+    "w_a": (13, 10),
+    "w_b": (3, 8),
+    "w_c": (16, 24),
+    "w_d": (9, 9),
+    "w_a_again": (13, 10),  # same shape as w_a, and w_a_wide transposed: one batched NS per owner
+    "w_a_wide": (10, 13),
+    "w_split": (10, 8),  # 2-D with row_split 2: on 4 ranks the 3-row shards straddle the two blocks
+    "experts": (3, 10, 6),
+    "gate_up": (5, 8, 6),
+}
+ROW_SPLIT = {"gate_up": 2, "w_split": 2}
 STEPS = 3
 
 
