@@ -9,17 +9,19 @@ A parameter is a 2-D matrix, or a 3-D stack [E, out, in] of E independent expert
 may set `row_split = s`: each matrix's rows are cut into `s` equal blocks that are orthogonalised (and
 scaled) separately — used for the fused expert `gate_up_proj` [E, 2I, H] (gate half, up half).
 
-One step, in launches (model-spec §8.1 arithmetic, fp32 except the NS iterations):
+One step, in launches (model-spec §8.1 arithmetic: momentum, norms, division and update in fp32; the NS
+input stored and iterated in the NS dtype, bf16 on CUDA):
   1. momentum `M <- mu M + G` and decoupled decay `W <- (1 - lr wd) W`: `torch._foreach_*` over every
      parameter of a group (decay first is exact: the NS input does not depend on W).
   2. Matrices are bucketed by their wide shape [min(r, c), max(r, c)] (r = rows / row_split): the same
      bucket takes `wq_a` of every layer, the gate and up halves of every expert stack, and `down_proj`
      [E, H, I] transposed next to `gate_up_proj`'s [I, H] halves; the Moonlight scale depends only on
-     max(r, c), so it is one number per bucket. Each parameter writes its Nesterov input `G + mu M` (fp32)
-     straight into its slots of the bucket's stack [N, m, k] (tall ones through a transposed view): one
-     kernel per parameter, no intermediate tensor.
-  3. One Newton-Schulz per bucket (up to 2^27 elements; a parameter is never split): fp32 Frobenius
-     normalisation in place on the stack, bf16 iterations on CUDA (`ns_dtype`), batched matmuls.
+     max(r, c), so it is one number per bucket. Each parameter writes its Nesterov input `G + mu M`
+     (computed in fp32) straight into its slots of the bucket's stack [N, m, k] in the NS dtype (tall ones
+     through a transposed view): one kernel per parameter, no intermediate tensor, no separate cast.
+  3. One Newton-Schulz per bucket (up to 2^27 elements; a parameter is never split): Frobenius norms
+     accumulated in fp32, division in fp32 arithmetic in place on the stack, iterations in the NS dtype,
+     every product one batched matmul over the N matrices.
   4. `W += -lr * scale * O`: one `add_` per parameter reading the bf16 result directly (no cast copy).
 
 Placement rules (what decides the communication):
@@ -30,9 +32,11 @@ Placement rules (what decides the communication):
     stacks sharded over expert-parallel ranks and then by FSDP2 (placements (_StridedShard(0), Shard(0))).
   * 2-D matrix sharded along dim 0 over one mesh dim: the FULL matrix is orthogonalised, never a shard.
     Each matrix gets one owner rank (greedy longest-processing-time over NS FLOPs, so deterministic from
-    shapes alone). Matrices are processed in chunks of `world` matrices: an all-to-all sends every rank's
-    rows of the Nesterov input to the owner (in `comm_dtype`), the owner runs NS, a second all-to-all
-    returns each rank's rows of the result, and every rank applies decay + update to its local rows.
+    shapes alone). Matrices are processed in chunks of one wide shape (up to about `world` stacks of 2^27
+    elements): an all-to-all sends every rank's rows of the Nesterov input (written straight into the send
+    buffer in `comm_dtype`) to their owners, each owner places the rows of its matrices of the chunk into one
+    stack and runs one batched NS, a second all-to-all returns each rank's rows of the result, and every rank
+    applies the update to its local rows (the decay was applied in step 1).
     The gather of chunk i+1 is issued (async) before NS of chunk i, so communication overlaps compute,
     and the first gather is in flight while the local (unsharded / expert) matrices are orthogonalised.
     Every rank of the group must hold gradients for the same row-sharded parameters (FSDP2 guarantees
@@ -53,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from optimizer._dtensor import chunk_range, local, shard0_mesh_dims
-from optimizer.newton_schulz import NS_COEFFICIENTS, NS_EPS, default_ns_dtype, orthogonalise_wide_, stack_dtype
+from optimizer.newton_schulz import NS_COEFFICIENTS, NS_EPS, default_ns_dtype, orthogonalise_wide_
 
 # A bucket's stack holds at most this many elements (a parameter larger than that gets a stack of its own).
 _LOCAL_BATCH_ELEMENTS = 1 << 27
@@ -199,7 +203,7 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalise(self, stack: torch.Tensor, ns_steps: int) -> torch.Tensor:
         """NS of a bucket stack [N, m, k] (overwritten); [N, m, k] in the NS dtype."""
-        return orthogonalise_wide_(stack, ns_steps, self.ns_coefficients, self.eps, self._ns_dtype(stack))
+        return orthogonalise_wide_(stack, ns_steps, self.ns_coefficients, self.eps)
 
     def _new_stack(self, entries: list[_Entry], device: torch.device) -> torch.Tensor:
         """An uninitialised stack for `entries` (wide shape shared), setting each entry's start slot."""
@@ -208,7 +212,7 @@ class Muon(torch.optim.Optimizer):
             e.start, n = n, n + e.count
         m, k = entries[0].wide_shape
         ns_dtype = self.ns_dtype or default_ns_dtype(device)
-        return torch.empty(n, m, k, device=device, dtype=stack_dtype(ns_dtype))
+        return torch.empty(n, m, k, device=device, dtype=ns_dtype)
 
     def init_state(self) -> None:
         """Create the zero momentum buffers of every parameter without stepping. DCP's

@@ -4,9 +4,9 @@
     repeat `steps` times:  P = X X^T;  X <- a X + (b P + c P^2) X;   transpose back.
 
 Two entry points: `newton_schulz(m)` for any [..., A, B] (copies `m`), and `orthogonalise_wide_(stack)`, the
-core Muon calls on a stack [N, m, k] of wide matrices it has already built (same-shape matrices of many
-parameters, tall ones transposed): normalisation in fp32 in place on the stack, iterations in the NS dtype
-(bf16 on CUDA), all N matrices in one batched matmul per product.
+core Muon calls on a stack [N, m, k] of wide matrices it has already built in the NS dtype (same-shape
+matrices of many parameters, tall ones transposed): normalisation with fp32 norms and fp32 division in place
+on the stack, iterations in the NS dtype (bf16 on CUDA), all N matrices in one batched matmul per product.
 
 `(a, b, c) = (3.4445, -4.7750, 2.0315)` (Keller Jordan's quintic): the singular values of the result land
 in roughly [0.7, 1.2] instead of exactly 1, which is what Muon wants (speed over exactness).
@@ -56,20 +56,15 @@ def gram(x: torch.Tensor, add: torch.Tensor | None = None, alpha: float = 1.0, b
     return torch.baddbmm(add, x, x.mT, beta=beta, alpha=alpha)
 
 
-def stack_dtype(ns_dtype: torch.dtype) -> torch.dtype:
-    """dtype of the NS input stack, where the normalisation runs: fp32, or the NS dtype when it is wider."""
-    return torch.promote_types(ns_dtype, torch.float32)
-
-
 def orthogonalise_wide_(
-    x: torch.Tensor, steps: int, coefficients: tuple[float, float, float], eps: float, dtype: torch.dtype
+    x: torch.Tensor, steps: int, coefficients: tuple[float, float, float], eps: float
 ) -> torch.Tensor:
-    """NS of a contiguous stack of wide matrices `x` [N, m, k] (m <= k, dtype `stack_dtype(dtype)`), which
-    it overwrites: the Frobenius normalisation runs in that dtype (fp32 at least) in place, then the iterations
-    in `dtype`. Returns [N, m, k] in `dtype`."""
+    """NS of a contiguous stack of wide matrices `x` [N, m, k] (m <= k) in the NS dtype (x.dtype), which it
+    overwrites with the normalised input: Frobenius norms accumulated in fp32 (at least), the division done in
+    fp32 arithmetic and stored in place. Returns [N, m, k] in x.dtype."""
     a, b, c = coefficients
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)  # [N, 1, 1] fp32
-    x = x.div_(norm.add_(eps)).to(dtype)
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32))
+    x = x.div_(norm.add_(eps))  # [N, 1, 1] fp32 divisor: fp32 arithmetic, stored in x.dtype
     for _ in range(steps):
         p = gram(x)  # P = X X^T   [N, m, m]
         poly = gram(p, add=p, alpha=c, beta=b)  # b P + c P^2   (P symmetric => P P^T = P^2)
@@ -91,7 +86,7 @@ def newton_schulz(
     dtype = dtype or default_ns_dtype(m.device)
     transposed = m.shape[-2] > m.shape[-1]
     wide = m.mT if transposed else m
-    stack = torch.empty((wide.shape[:-2].numel(), *wide.shape[-2:]), device=m.device, dtype=stack_dtype(dtype))
+    stack = torch.empty((wide.shape[:-2].numel(), *wide.shape[-2:]), device=m.device, dtype=dtype)
     stack.view(wide.shape).copy_(wide)
-    x = orthogonalise_wide_(stack, steps, coefficients, eps, dtype).view(wide.shape)
+    x = orthogonalise_wide_(stack, steps, coefficients, eps).view(wide.shape)
     return x.mT if transposed else x
