@@ -191,6 +191,11 @@ class Muon(torch.optim.Optimizer):
             )
         if p.shape[-2] % row_split:
             raise ValueError(f"Muon: row_split={row_split} does not divide the rows of shape {tuple(p.shape)}")
+        if not local(p).is_contiguous():
+            raise ValueError(
+                f"Muon: parameter of shape {tuple(p.shape)} is not contiguous (the update is applied through a "
+                "[matrices, rows, cols] view of it); make it contiguous before building the optimizer"
+            )
         dims = _split_mesh_dims(p)
         if p.ndim == 2 and len(dims) > 1:
             raise ValueError(

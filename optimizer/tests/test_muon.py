@@ -129,6 +129,8 @@ def test_rejects_non_matrix_params():
         Muon([torch.zeros(4, requires_grad=True)])
     with pytest.raises(ValueError, match="row_split"):
         Muon([{"params": [torch.zeros(2, 5, 4, requires_grad=True)], "row_split": 2}])
+    with pytest.raises(ValueError, match="not contiguous"):
+        Muon([torch.zeros(6, 4).t().requires_grad_()])
 
 
 def _per_matrix_step(params, groups, bufs, lr, wd, mu, nesterov):
