@@ -13,7 +13,8 @@ and one per-shape step from the same weights and zero momentum give the same upd
 relative Frobenius difference < 5e-2: both bf16 NS; the batched path normalises in fp32 before the cast, the
 old one after it); then times with CUDA events after warm-up (median of the repeats). Case (3) prints
 both step times, old / new, and the NS TFLOP/s each step reaches (5 x (4 m^2 k + 2 m^3) per [m, k] matrix,
-m <= k, over the whole step: the bound for a step that is all matmul).
+m <= k, over the whole step), and the NS calls alone on stacks of the batched step's shapes (the matmul
+floor: batched step minus NS-only is the momentum / Nesterov / update memory traffic and launch overhead).
 
 NS TFLOP/s counts the FLOPs of the plain algorithm per [m, k] matrix (m <= k): 5 x (4 m^2 k + 2 m^3)
 for both backends, so the Triton number is an "effective" rate (it does ~half of the X X^T / P^2 work).
@@ -34,7 +35,8 @@ from llm_training.motif.model import Motif3Model
 from llm_training.motif.optimizer_groups import motif_optimizer_rules
 from llm_training.trainer.optim import build_optimizers
 from optimizer import Muon, group_parameters, newton_schulz, triton_gram
-from optimizer.muon import update_scale
+from optimizer.muon import _batches, _Entry, update_scale
+from optimizer.newton_schulz import orthogonalise_wide_
 
 from cuda_timing import cuda_time_ms
 
@@ -222,6 +224,28 @@ def muon_case(flavor: str, device: str) -> tuple[Muon, list[torch.Tensor], dict[
     return Muon(grouping.muon_param_groups(), lr=1e-3, weight_decay=0.1), params, shapes, ns_tflop
 
 
+def ns_only_ms(muon: Muon, repeats: int) -> float:
+    """Milliseconds of the batched step's Newton-Schulz calls alone, on bf16 stacks of the shapes the step
+    builds (same buckets and 2^27-element batches; random content): the matmul floor of the step."""
+    entries: dict[tuple, list[_Entry]] = {}
+    for group in muon.param_groups:
+        for p in group["params"]:
+            rows, cols = p.shape[-2] // group["row_split"], p.shape[-1]
+            entry = _Entry(p, group, p.shape[:-2].numel() * group["row_split"], rows, cols)
+            entries.setdefault((entry.wide_shape, group["ns_steps"]), []).append(entry)
+    stacks = []
+    for ((m, k), steps), bucket in entries.items():
+        for batch in _batches(bucket):
+            n = sum(e.count for e in batch)
+            stacks.append((torch.randn(n, m, k, device="cuda", dtype=torch.bfloat16), steps))
+
+    def run_all():
+        for stack, steps in stacks:
+            orthogonalise_wide_(stack, steps, muon.ns_coefficients, muon.eps)
+
+    return statistics.median(cuda_time_ms(run_all, 2, repeats))
+
+
 def bench_muon_paths(flavor: str, repeats: int) -> dict:
     """Case (3): the Muon step of `flavor`'s Muon parameters, per-shape (old) vs batched (package)."""
     muon, muon_params, shapes, ns_tflop = muon_case(flavor, "cuda")
@@ -231,6 +255,7 @@ def bench_muon_paths(flavor: str, repeats: int) -> dict:
     torch.cuda.empty_cache()
     per_shape_ms = statistics.median(cuda_time_ms(lambda: per_shape_muon_step(muon), 2, repeats))
     batched_ms = statistics.median(cuda_time_ms(muon.step, 2, repeats))
+    ns_ms = ns_only_ms(muon, repeats)
     return {
         "flavor": flavor,
         "muon_tensors": len(muon_params),
@@ -242,6 +267,8 @@ def bench_muon_paths(flavor: str, repeats: int) -> dict:
         "speedup": per_shape_ms / batched_ms,
         "per_shape_ns_tflops": ns_tflop / per_shape_ms * 1e3,
         "batched_ns_tflops": ns_tflop / batched_ms * 1e3,
+        "ns_only_ms": ns_ms,
+        "ns_only_tflops": ns_tflop / ns_ms * 1e3,
         "max_rel_update_diff": rel,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
@@ -279,7 +306,10 @@ def main() -> None:
     print(f"{'path':<12}{'step ms':>10}{'NS TFLOP/s':>12}")
     print(f"{'per-shape':<12}{paths['per_shape_ms']:>10.1f}{paths['per_shape_ns_tflops']:>12.1f}")
     print(f"{'batched':<12}{paths['batched_ms']:>10.1f}{paths['batched_ns_tflops']:>12.1f}")
-    print(f"old / new: {paths['speedup']:.2f}x")
+    print(f"{'NS only':<12}{paths['ns_only_ms']:>10.1f}{paths['ns_only_tflops']:>12.1f}")
+    print(
+        f"old / new: {paths['speedup']:.2f}x; batched step - NS only = {paths['batched_ms'] - paths['ns_only_ms']:.1f} ms"
+    )
     result = {
         "device": torch.cuda.get_device_name(),
         "flavor": opts.flavor,
