@@ -111,6 +111,9 @@ def build_job(job_config, parallel_dims: ParallelDims) -> BuiltJob:
         model = spec.build_model(model_args, job_config)
     apply_converters(model, job_config)
     spec.parallelize(model, parallel_dims, job_config, torch.device("cuda"))  # the job's device; nothing allocated
+    materialised = [name for name, p in model.named_parameters() if not p.is_meta]
+    if materialised:
+        raise RuntimeError(f"dry run: parallelize materialised parameters off the meta device: {materialised[:3]}")
     rules, forbidden = spec.optimizer_rules(job_config.optimizer)
     optimizers = build_optimizers(model, job_config, rules, forbidden)
     return BuiltJob(model, model_args, optimizers)
