@@ -56,7 +56,6 @@ from llm_training.distributed import ParallelDims
 
 DOES_NOT_FIT = 3
 GIB = 1 << 30
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 # ---------------------------------------------------------------------------------------- setup under a fake PG
@@ -332,7 +331,7 @@ def measure_rank(job_config, world_size: int, rank: int) -> RankReport:
 
     parallel_dims = validate_for_world_size(job_config, world_size)
     t = job_config.training
-    compute, reduce = _DTYPES[t.mixed_precision_param], _DTYPES[t.mixed_precision_reduce]
+    compute, reduce = getattr(torch, t.mixed_precision_param), getattr(torch, t.mixed_precision_reduce)
     tokens = t.local_batch_size * t.seq_len // parallel_dims.cp
     with fake_process_group(rank, parallel_dims.world_size):
         job = build_job(job_config, parallel_dims)
