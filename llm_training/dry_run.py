@@ -16,9 +16,10 @@ It then prints, per rank, the GPU memory the step needs, from the real objects:
   * optimizer state, per optimizer group: Muon's momentum (1 x the local shard), AdamW's two moments (2 x), in
     the parameter dtype (both create them with `zeros_like` of the local shard at the first step);
   * the FSDP2 transients: the root group (embedding, final norm, head) stays unsharded in the compute dtype for
-    the whole step and its gradients unsharded through the backward; the largest block is all-gathered twice
-    over (the block computing and the one prefetched) and its gradients exist unsharded in the compute dtype
-    plus the reduce-scatter input in the reduce dtype;
+    the whole step and its gradients unsharded through the backward; the largest other FSDP2 group (a block,
+    or under expert parallelism a block's experts, which are a group of their own) is all-gathered twice over
+    (the group computing and the one prefetched) and its gradients exist unsharded in the compute dtype plus the
+    reduce-scatter input in the reduce dtype;
   * activations: the model family's estimate (`ModelSpec.activation_memory`; Motif-3's formula is in
     motif/activation_memory.py) at local_batch_size x seq_len / cp tokens and the configured activation
     checkpointing, plus the loss's buffers (trainer/losses.py: per loss head, grad hidden [T, H] in the compute
@@ -410,9 +411,9 @@ def format_rank(r: RankReport) -> str:
     lines += [
         _row("+ FSDP2 root group unsharded, params + grads", f.root_bytes, f"2 x {f.root_numel:,} in {compute}"),
         _row(
-            f"+ FSDP2 all-gather x2, largest block {f.largest_block or '-'}",
+            "+ FSDP2 all-gather x2 of the largest group",
             2 * f.all_gather_bytes,
-            f"2 x {f.largest_block_numel:,} in {compute} (the block computing + the one prefetched)",
+            f"{f.largest_block or '-'}: 2 x {f.largest_block_numel:,} in {compute} (computing + prefetched)",
         ),
         _row(
             "+ FSDP2 its unsharded grads + reduce-scatter in",

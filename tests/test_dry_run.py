@@ -222,13 +222,15 @@ def test_world_size_resolution(monkeypatch, capsys):
 def test_production_examples_at_32_ranks(name):
     """The shipped examples set up for 32 ranks (their [job] dry_run_world_size): every rank holds 1/32 of the
     sharded parameters (all their dims split evenly: dense over dp_shard x cp, experts over ep x the rest) plus the
-    replicated fp32 ones; the last rank holds the same as rank 0."""
+    replicated fp32 ones; the last rank holds the same as rank 0. (Under expert parallelism the experts' fp32
+    PolyNorm weights, [E, 4] per layer, are sharded over the ep ranks only: x 32 counts them 4x, hence the 1e-5.)"""
     c = parse(f"--job.config_file={TRAIN_CONFIGS}/{name}", *EP_CP_NOT_WIRED, *MXFP8_NOT_BUILT)
     parallel_dims, reports = measure_job(c)
     assert parallel_dims.world_size == 32 and [r.rank for r in reports] == [0, 31]
     args = get_flavor(c.model.flavor)
     for r in reports:
-        assert r.params.sharded_local_numel * 32 + r.params.replicated.numel == param_counts(args).total_with_mtp
+        total = param_counts(args).total_with_mtp
+        assert abs(r.params.sharded_local_numel * 32 + r.params.replicated.numel - total) <= 1e-5 * total
         assert r.activations.tokens == c.training.local_batch_size * c.training.seq_len // parallel_dims.cp
         assert r.fsdp.largest_block.startswith("layers.")
     assert reports[0].total_bytes == reports[1].total_bytes
