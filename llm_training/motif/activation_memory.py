@@ -24,7 +24,9 @@ I_s = I_e x num_shared_experts, I = intermediate_size):
   attention (GDLA)           norm output H b; lambda_proj's fp32 input H f and lambda n_sig f; wq_a output and
                              c_q 2 q_lora b; wkv_a output (kv_lora + d_rope) b and kv_norm output kv_lora b; the
                              kernel's q n_h*d_qk, k n_kv*d_qk, v n_kv*d_v and output n_h*d_v b and its
-                             log-sum-exp n_h f; gate logits n_sig*d_v b; wo input n_sig*d_v b
+                             log-sum-exp n_h f (what a fused flash / cuDNN / FlexAttention kernel keeps; the
+                             CPU math fallback keeps the S x S probabilities instead); gate logits n_sig*d_v b;
+                             wo input n_sig*d_v b
   dense MLP (width I)        norm output H b; gate, up 2I b; activation output I b; PolyNorm rstd 3 f
                              (with hidden_clamp, as the shared expert: the pre-clamp gate, up 2I b more)
   MoE                        norm output H b; router: fp32 input H f, scores E f, weights 2K f, expert ids /
@@ -41,7 +43,8 @@ I_s = I_e x num_shared_experts, I = intermediate_size):
 
 What it ignores: temporaries that live within one op or one layer's forward/backward (the gradients of the
 block being back-propagated, attention-kernel workspaces, expert-parallel all-to-all and context-parallel
-exchange buffers, the mHC coefficient recomputation, rotary tables), routing imbalance (the routed-expert
+exchange buffers, the mHC coefficient recomputation), per-token scalars (each norm's rstd, the rotary tables
+gathered per position: a few f per token), routing imbalance (the routed-expert
 terms assume every rank receives the balanced T*K expert rows; the busiest rank of an imbalanced step holds
 more), the zero rows that pad expert groups for the grouped GEMM, what torch.compile fuses away (it can only
 shrink the saved set) and allocator fragmentation.
