@@ -28,11 +28,11 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def _stored_hf_config(dcp_dir: Path) -> dict:
     """The config.json dict saved in a DCP checkpoint's `train_state.model_config_json` (a run's
     `state_dict_adapter.run_hf_config`: for a run started from an HF directory, that directory's config)."""
-    import torch.distributed.checkpoint as dcp
+    from llm_training.trainer.checkpoint import safe_dcp_load
 
     state = {"train_state": {"model_config_json": ""}}
     try:
-        dcp.load(state, checkpoint_id=str(dcp_dir), no_dist=True)
+        safe_dcp_load(state, dcp_dir)
     except Exception as e:  # missing key, or not a DCP dir
         raise ValueError(
             f"{dcp_dir}: cannot read train_state.model_config_json ({type(e).__name__}: {e}); "

@@ -23,6 +23,7 @@ from llm_training.config import (
     JobConfig,
     grad_accumulation_steps,
     to_toml,
+    validate_environment,
     validate_for_world_size,
 )
 from llm_training.distributed import ParallelDims
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(to_toml(job_config), end="")
             return 0
         parallel_dims = validate_for_world_size(job_config, env_world_size())
+        validate_environment(job_config)  # data, tokenizer, optional packages: exit 2, before any setup
         init_logging(rank)
         device, _ = setup_distributed(job_config.training.device, parallel_dims)
     except ConfigError as e:

@@ -17,7 +17,12 @@ from llm_training.config.job_config import (
 )
 from llm_training.config.manager import ConfigManager
 from llm_training.config.toml_writer import to_toml
-from llm_training.config.validate import grad_accumulation_steps, validate_config, validate_for_world_size
+from llm_training.config.validate import (
+    grad_accumulation_steps,
+    validate_config,
+    validate_environment,
+    validate_for_world_size,
+)
 from llm_training.errors import ConfigError
 
 __all__ = [
@@ -39,5 +44,6 @@ __all__ = [
     "grad_accumulation_steps",
     "to_toml",
     "validate_config",
+    "validate_environment",
     "validate_for_world_size",
 ]

@@ -171,6 +171,12 @@ class Checkpoint:
     )
     initial_load_format: str = option("hf", "format of initial_load_path", choices=("hf", "dcp"))
     export_dtype: str = option("bfloat16", "dtype of exported HF safetensors", choices=("bfloat16", "float32"))
+    on_damaged: str = option(
+        "fall_back",
+        "newest checkpoint fails verification (missing, truncated or corrupted file): move it aside and resume "
+        "from the previous one, or stop",
+        choices=("fall_back", "stop"),
+    )
 
 
 @dataclass

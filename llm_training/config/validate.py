@@ -2,15 +2,17 @@
 
 `validate_config` needs only the config (called by ConfigManager.parse_args); `validate_for_world_size`
 also checks the parallel layout against the number of processes and is called by the entrypoint once
-WORLD_SIZE is known. Every message names the keys involved and how to fix them. These are the only
-config checks: nothing downstream (trainer, model, parallelizer) re-checks the config. The parallel-layout rules
-that need the model (context-parallel heads / chunks, the expert dispatcher) live next to their implementation
-(`distributed.context_parallel.check_context_parallel`, `distributed.expert_parallel.check_dispatcher_available`)
-and are called from here only.
+WORLD_SIZE is known; `validate_environment` checks what the config points at (data set, tokenizer, optional
+packages) and is called by the entrypoint before any process-group or model work. Every message names the
+keys involved and how to fix them. These are the only config checks: nothing downstream (trainer, model,
+parallelizer) re-checks the config. The parallel-layout rules that need the model (context-parallel heads /
+chunks, the expert dispatcher) live next to their implementation (`distributed.context_parallel.
+check_context_parallel`, `distributed.expert_parallel.check_dispatcher_available`) and are called from here only.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING
 
 from llm_training.errors import ConfigError
@@ -167,3 +169,30 @@ def grad_accumulation_steps(c: "JobConfig", dp_size: int) -> int:
     """Micro-batches per optimizer step: global_batch_size / (local_batch_size x dp), 1 when it is -1."""
     t = c.training
     return 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dp_size)
+
+
+# Optional packages a `[metrics]` switch needs: (flag, package imported, pip name).
+OPTIONAL_METRICS_PACKAGES = (("enable_tensorboard", "tensorboard", "tensorboard"), ("enable_wandb", "wandb", "wandb"))
+
+
+def validate_environment(c: "JobConfig") -> None:
+    """Checks of the files and packages the config needs, so that they fail as config errors (exit 2) at start-up:
+    the tokenizer directory (loads, has a chat template, eos and pad tokens), the data set (exists, has a record,
+    the split and conversations column exist) and the packages of the enabled metrics sinks."""
+    from llm_training.data import build_tokenizer, check_dataset  # imported here: transformers is slow to import
+
+    hf = c.huggingface_dataset
+    for check in (
+        lambda: build_tokenizer(c.model.tokenizer_path),
+        lambda: check_dataset(c.training.dataset_path, hf.conversations_field, hf.split),
+    ):
+        try:
+            check()
+        except (OSError, ValueError, KeyError, ImportError) as e:
+            raise ConfigError(str(e.args[0]) if isinstance(e, KeyError) else str(e)) from None
+    for flag, package, pip_name in OPTIONAL_METRICS_PACKAGES:
+        if getattr(c.metrics, flag) and importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"[metrics] {flag} = true needs the {package} package, which is not installed: "
+                f"pip install {pip_name}, or set {flag} = false"
+            )

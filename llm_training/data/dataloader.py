@@ -1,15 +1,25 @@
 """The stateful chat data loader: shard by data-parallel rank, shuffle per epoch, tokenize lazily, pack, resume.
 
 Order of records: epoch e visits a permutation of all records (seeded by `shuffle_seed + e`, or file order
-without `shuffle`); rank r takes positions r, r + W, r + 2W, ... of it (W = dp world size), so the ranks read
-disjoint shards that together cover every record once per epoch. Iteration never ends: after its shard, a
-rank logs a summary and starts the next epoch (a fresh permutation).
+without `shuffle`): the global sample order, whose positions g = 0..n-1 name the records of the epoch. Rank r
+takes positions r, r + W, r + 2W, ... of it (W = dp world size), so the ranks read disjoint shards that
+together cover every record once per epoch. Iteration never ends: after its shard, a rank logs a summary and
+starts the next epoch (a fresh permutation).
 
 Records are read, validated, rendered and tokenized a small chunk ahead of the packer; the state counts only
 records the packer has consumed, so `state_dict()` taken between batches, restored with `load_state_dict()`,
 continues with exactly the batches the uninterrupted run would have produced. The state holds epoch,
 position, counters and, for the rows being packed and rows closed but not yet emitted, the (epoch, position)
 of each document, which are re-read and re-tokenized on load (small state even at 256K seq_len).
+
+Resuming on another layout (`load_rank_states`, given the states of every rank of the saving run). With the same
+data-parallel size and data settings each rank restores its own state exactly (the same batches as an
+uninterrupted run). Otherwise the states are merged into the rank-independent position: per epoch in progress,
+the set of global positions already trained (a consumed-prefix count plus the positions trained beyond it;
+documents that were packed into rows but not yet returned in a batch count as not trained), and the new ranks
+share what is left of that epoch in global order (rank r of M takes every M-th remaining position from r), then
+continue with whole epochs. Every record is therefore trained exactly once per epoch across the change, but
+the batches differ from an uninterrupted run (other rows, other ranks).
 
 Iterating the loader (`next(loader)`) prepares `prefetch_batches` batches ahead in a background thread (the
 tokenizer releases the GIL) and keeps, with each batch, a snapshot of the state after it, so `state_dict()`
@@ -43,7 +53,7 @@ logger = logging.getLogger(__name__)
 MIN_RECORDS_FOR_BAD_FRACTION = 100  # the bad-record fraction is checked from this many records on (and at epoch end)
 BAD_RECORDS_SHOWN = 5  # bad records logged one by one (per rank) before only counting them
 READ_AHEAD_RECORDS = 64  # records read + tokenized per batched tokenizer call
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 PACKING_MODES = ("pack", "pad")
 OVERLONG_MODES = ("truncate", "drop")
@@ -112,11 +122,17 @@ class ChatDataLoader:
 
         self.epoch = 0
         self.position = 0  # records of this epoch's shard consumed by the packer
+        # epoch -> sorted global positions trained before a resume on another layout (their records are not
+        # in this rank's shard of that epoch); empty for an epoch started afresh
+        self.trained_before: dict[int, np.ndarray] = {}
         self.counters = dict.fromkeys(COUNTER_NAMES, 0)
         self.epoch_documents = 0
         self.bad_examples: list[str] = []
+        self._bad_locations: set[str] = set()  # reported already (this process; not part of the state)
+        self._new_bad_in_epoch = 0
         self.packer = RowPacker(seq_len, pack=packing == "pack")
         self.ready_rows: deque[list[Document]] = deque()
+        self._orders: dict[int, np.ndarray] = {}
         self._shards: dict[int, np.ndarray] = {}
         self._ahead: deque[tuple] = deque()  # processed records for positions [position, position + len)
         self.prefetch_batches = prefetch_batches
@@ -137,25 +153,34 @@ class ChatDataLoader:
             )
 
     # ---- record order -------------------------------------------------------------------------------------
-    def _shard(self, epoch: int) -> np.ndarray:
-        """Record indices this rank visits in `epoch` (the last two epochs asked for are cached)."""
-        if epoch not in self._shards:
+    def _order(self, epoch: int) -> np.ndarray:
+        """The global sample order of `epoch`: record index at each global position (last two cached)."""
+        if epoch not in self._orders:
             n = len(self.records)
             if self.shuffle:
                 order = torch.randperm(n, generator=torch.Generator().manual_seed(self.shuffle_seed + epoch)).numpy()
             else:
                 order = np.arange(n)
+            while len(self._orders) >= 2:
+                del self._orders[min(self._orders)]
+            self._orders[epoch] = order
+        return self._orders[epoch]
+
+    def _shard(self, epoch: int) -> np.ndarray:
+        """Global positions this rank visits in `epoch`, in order (the last two epochs asked for are cached)."""
+        if epoch not in self._shards:
             while len(self._shards) >= 2:
                 del self._shards[min(self._shards)]
-            self._shards[epoch] = order[self.dp_rank :: self.dp_world_size]
+            pool = _untrained(len(self.records), self.trained_before.get(epoch))
+            self._shards[epoch] = pool[self.dp_rank :: self.dp_world_size]
         return self._shards[epoch]
 
     # ---- reading ------------------------------------------------------------------------------------------
     def _process(self, epoch: int, positions) -> list[tuple]:
-        """Read, validate, render, tokenize and fit the records at `positions` of `epoch`'s shard.
+        """Read, validate, render, tokenize and fit the records at global `positions` of `epoch`.
         Each outcome is ("bad", location, reason) or ("doc", location, Document or None if dropped, truncated)."""
-        positions = list(positions)
-        fetched = self.records.fetch(self._shard(epoch)[positions])
+        positions = [int(g) for g in positions]
+        fetched = self.records.fetch(self._order(epoch)[positions])
         outcomes: list[tuple] = []
         pieces, slots = [], []
         for location, conversation in fetched:
@@ -179,10 +204,10 @@ class ChatDataLoader:
     def _read_ahead(self) -> None:
         begin = self.position + len(self._ahead)
         stop = min(begin + READ_AHEAD_RECORDS, len(self._shard(self.epoch)))
-        self._ahead.extend(self._process(self.epoch, range(begin, stop)))
+        self._ahead.extend(self._process(self.epoch, self._shard(self.epoch)[begin:stop]))
 
     def _documents_at(self, sources: list[tuple[int, int]]) -> list[Document]:
-        """Re-create documents from their (epoch, position) sources (used when loading a state)."""
+        """Re-create documents from their (epoch, global position) sources (used when loading a state)."""
         docs = []
         for epoch, position in sources:
             [outcome] = self._process(epoch, [position])
@@ -223,11 +248,18 @@ class ChatDataLoader:
         message = f"{location}: {reason}"
         if self.policy == "fail":
             raise BadRecordError(f"bad record at {message} (bad_record_policy='fail'; use 'skip' to skip and count)")
-        if len(self.bad_examples) < BAD_RECORDS_SHOWN:
-            self.bad_examples.append(message)
-            logger.warning("data rank %d: skipping bad record %s", self.dp_rank, message)
         if self.counters["records_seen"] >= MIN_RECORDS_FOR_BAD_FRACTION:
             self._check_bad_fraction()
+        if location in self._bad_locations:
+            return  # seen in an earlier epoch: counted again, not reported again
+        self._bad_locations.add(location)
+        self._new_bad_in_epoch += 1
+        if len(self.bad_examples) >= BAD_RECORDS_SHOWN:
+            return  # the first few bad records are logged one by one, the rest only counted
+        self.bad_examples.append(message)
+        logger.warning("data rank %d: skipping bad record %s", self.dp_rank, message)
+        if len(self.bad_examples) == BAD_RECORDS_SHOWN:
+            logger.warning("data rank %d: further bad records are counted, not logged", self.dp_rank)
 
     def _check_bad_fraction(self) -> None:
         bad, seen = self.counters["bad_records"], self.counters["records_seen"]
@@ -252,15 +284,16 @@ class ChatDataLoader:
             c["documents"],
             self.epoch + 1,
         )
-        if c["bad_records"]:
+        if self._new_bad_in_epoch:
             logger.warning(
-                "data rank %d: bad records skipped so far: %d; first: %s",
+                "data rank %d: bad records skipped so far: %d (%d not seen before in this epoch)",
                 self.dp_rank,
                 c["bad_records"],
-                "; ".join(self.bad_examples),
+                self._new_bad_in_epoch,
             )
+        self._new_bad_in_epoch = 0
         self._check_bad_fraction()
-        if self.epoch_documents == 0:
+        if self.epoch_documents == 0 and self.epoch not in self.trained_before:  # a resumed epoch may be empty
             raise BadRecordError(
                 f"nothing trainable: a whole epoch of data rank {self.dp_rank}'s shard "
                 f"({len(self._shard(self.epoch))} records) "
@@ -330,10 +363,18 @@ class ChatDataLoader:
         }
 
     def state_dict(self) -> dict:
-        """Plain-Python (picklable, JSON-serializable) state after the last batch returned."""
+        """Plain-Python (JSON-serializable) state after the last batch returned."""
         if self._prefetcher is not None:
             return copy.deepcopy(self._delivered_state)
         return self._state_now()
+
+    def rank_state(self) -> dict:
+        """This rank's part of the global data position, for `load_rank_states` (the trained-before sets,
+        the same on every rank, travel only with data-parallel rank 0's state)."""
+        state = self.state_dict()
+        if self.dp_rank != 0:
+            state["trained_before"] = None
+        return state
 
     def _state_now(self) -> dict:
         return {
@@ -341,6 +382,7 @@ class ChatDataLoader:
             "fingerprint": self._fingerprint(),
             "epoch": self.epoch,
             "position": self.position,
+            "trained_before": {str(e): _encode_positions(t) for e, t in sorted(self.trained_before.items())},
             "epoch_documents": self.epoch_documents,
             "counters": dict(self.counters),
             "bad_examples": list(self.bad_examples),
@@ -361,6 +403,7 @@ class ChatDataLoader:
                     f"cannot resume the data loader: {key} was {value!r} in the checkpoint and is {mine.get(key)!r} "
                     "now; resuming needs the same data set, data-parallel size and data settings"
                 )
+        self._set_trained_before({int(e): _decode_positions(t) for e, t in state["trained_before"].items()})
         self.epoch = state["epoch"]
         self.position = state["position"]
         self.epoch_documents = state["epoch_documents"]
@@ -369,6 +412,111 @@ class ChatDataLoader:
         self._ahead.clear()
         self.packer.load_open_rows([self._documents_at(row) for row in state["open_rows"]])
         self.ready_rows = deque(self._documents_at(row) for row in state["ready_rows"])
+
+    def _set_trained_before(self, trained_before: dict[int, np.ndarray]) -> None:
+        self.trained_before = trained_before
+        self._shards.clear()
+
+    def load_rank_states(self, states: list[dict]) -> None:
+        """Continue from the `rank_state()` of every rank of a saved run (any order; ranks that share a
+        data-parallel rank may repeat it): exactly when the data-parallel size and data settings are unchanged,
+        otherwise from the merged rank-independent position (see the module doc)."""
+        by_rank = {s["fingerprint"]["dp_rank"]: s for s in states}
+        saved_world = states[0]["fingerprint"]["dp_world_size"]
+        if sorted(by_rank) != list(range(saved_world)) or any(s.get("version") != STATE_VERSION for s in states):
+            raise ValueError(
+                f"cannot resume the data loader: the checkpoint holds the states of data-parallel ranks "
+                f"{sorted(by_rank)} of {saved_world} (state version {states[0].get('version')}, expected "
+                f"{STATE_VERSION}); it is incomplete or was written by another version"
+            )
+        ordered = [by_rank[r] for r in range(saved_world)]
+        trained_before = ordered[0]["trained_before"]
+        mine = self._fingerprint()
+        saved = ordered[0]["fingerprint"]
+        if all(saved[k] == mine[k] for k in mine if k != "dp_rank"):
+            self.load_state_dict(dict(ordered[self.dp_rank], trained_before=trained_before))
+            return
+        for key in ("num_records", "shuffle", "shuffle_seed"):  # these define the global sample order
+            if saved[key] != mine[key]:
+                raise ValueError(
+                    f"cannot resume the data loader: {key} was {saved[key]!r} in the checkpoint and is "
+                    f"{mine[key]!r} now; the global sample order needs the same data set and shuffle settings"
+                )
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+        changed = [k for k in mine if k != "dp_rank" and saved[k] != mine[k]]
+        epoch, trained = merge_trained_positions(ordered, len(self.records))
+        self._set_trained_before(trained)
+        self.epoch, self.position, self.epoch_documents = epoch, 0, 0
+        self.counters = dict.fromkeys(COUNTER_NAMES, 0)
+        self.bad_examples = []
+        for j, state in enumerate(ordered):  # old rank j's counts go to new rank j % M: the totals are kept
+            if j % self.dp_world_size == self.dp_rank:
+                for name, value in state["counters"].items():
+                    self.counters[name] = self.counters.get(name, 0) + value
+                self.bad_examples += [m for m in state["bad_examples"] if m not in self.bad_examples]
+        self.bad_examples = self.bad_examples[:BAD_RECORDS_SHOWN]
+        self._ahead.clear()
+        self.packer.load_open_rows([])
+        self.ready_rows = deque()
+        if self.dp_rank == 0:
+            logger.info(
+                "data: resuming on a new layout (%s changed): epoch %d continues with the %d records not yet "
+                "trained, shared by %d data-parallel ranks",
+                ", ".join(changed),
+                epoch,
+                len(self.records) - len(trained.get(epoch, ())),
+                self.dp_world_size,
+            )
+
+
+def _untrained(num_records: int, trained: np.ndarray | None) -> np.ndarray:
+    """Global positions 0..num_records-1 not in the sorted array `trained`, in order."""
+    every = np.arange(num_records, dtype=np.int64)
+    return every if trained is None or len(trained) == 0 else np.setdiff1d(every, trained, assume_unique=True)
+
+
+def _encode_positions(positions: np.ndarray) -> dict:
+    """Sorted unique positions as {"prefix": P, "beyond": [...]}: every position < P, plus those listed."""
+    prefix = int(np.argmax(positions != np.arange(len(positions)))) if len(positions) else 0
+    if len(positions) and positions[-1] == len(positions) - 1:
+        prefix = len(positions)
+    return {"prefix": prefix, "beyond": positions[prefix:].tolist()}
+
+
+def _decode_positions(encoded: dict) -> np.ndarray:
+    return np.concatenate([np.arange(encoded["prefix"], dtype=np.int64), np.asarray(encoded["beyond"], np.int64)])
+
+
+def merge_trained_positions(states: list[dict], num_records: int) -> tuple[int, dict[int, np.ndarray]]:
+    """From the states of data-parallel ranks 0..W-1 of a saved run: (first epoch not fully trained, {epoch:
+    sorted global positions trained} for that epoch and those after it some rank had started). A rank trained
+    its shard of every epoch it has left and the first `position` records of its current one; documents in
+    its open or ready rows were read but not trained."""
+    world = len(states)
+    trained_before = {int(e): _decode_positions(t) for e, t in states[0]["trained_before"].items()}
+    pending: dict[int, list[int]] = {}
+    for state in states:
+        for row in state["open_rows"] + state["ready_rows"]:
+            for epoch, position in row:
+                pending.setdefault(epoch, []).append(position)
+    first = min([s["epoch"] for s in states] + list(pending))
+    last = max([s["epoch"] for s in states] + list(trained_before))
+    trained = {}
+    for epoch in range(first, last + 1):
+        before = trained_before.get(epoch)
+        pool = _untrained(num_records, before)
+        parts = [before] if before is not None else []
+        for j, state in enumerate(states):
+            shard = pool[j::world]
+            if state["epoch"] > epoch:
+                parts.append(shard)
+            elif state["epoch"] == epoch:
+                parts.append(shard[: state["position"]])
+        done = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+        trained[epoch] = np.setdiff1d(done, np.asarray(pending.get(epoch, []), np.int64), assume_unique=True)
+    return first, trained
 
 
 class _Prefetcher:

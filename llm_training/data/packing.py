@@ -27,7 +27,7 @@ PACK_OPEN_ROWS = 8  # rows filled at the same time by the "pack" mode (first-fit
 @dataclass
 class Document:
     """One sample ready to pack: `labels[t]` = input_ids[t+1] if trained, else -100; `source` is the
-    (epoch, shard position) it was read from, which is all the loader state keeps of it."""
+    (epoch, global position in that epoch's sample order) it was read from: all the loader state keeps of it."""
 
     input_ids: list[int]
     labels: list[int]

@@ -36,9 +36,7 @@ class JsonlRecords:
 
     def __init__(self, path: Path, conversations_field: str):
         self.field = conversations_field
-        self.files = [path] if path.is_file() else sorted(p for p in path.rglob("*.jsonl") if p.is_file())
-        if not self.files:
-            raise FileNotFoundError(f"[training] dataset_path: no *.jsonl files under {str(path)!r}")
+        self.files = jsonl_files(path)
         self.empty_files: list[Path] = []
         file_idx, starts, ends, line_nos = [], [], [], []
         for k, file in enumerate(self.files):
@@ -83,6 +81,23 @@ class JsonlRecords:
         if self.field not in record:
             return BadRecord(f"no {self.field!r} field (keys: {sorted(record)[:8]})")
         return record[self.field]
+
+
+def jsonl_files(path: Path) -> list[Path]:
+    """`path` itself, or every `*.jsonl` file under the folder `path` (sorted, recursive); at least one."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*.jsonl") if p.is_file())
+    if not files:
+        raise FileNotFoundError(f"[training] dataset_path: no *.jsonl files under {str(path)!r}")
+    return files
+
+
+def _has_a_line(file: Path) -> bool:
+    """Whether `file` holds anything but whitespace (reads only up to the first such byte)."""
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return True
+    return False
 
 
 def _line_spans(file: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -154,6 +169,24 @@ class SaveToDiskRecords:
         ]
 
 
+def check_dataset(dataset_path: str | Path, conversations_field: str, split: str) -> None:
+    """Fail fast, naming the config key, when `dataset_path` cannot give a record: missing path, no jsonl files,
+    only empty files, a split or column that is not there, `datasets` not installed. Cheap: jsonl files are
+    read only up to their first line, a save_to_disk directory is memory-mapped."""
+    path = Path(dataset_path).expanduser()
+    if dataset_path and path.exists() and not is_save_to_disk_dir(path):
+        files = jsonl_files(path)
+        if not any(_has_a_line(file) for file in files):
+            raise ValueError(
+                f"[training] dataset_path: {str(path)!r} has no records ({len(files)} jsonl file(s), all empty); "
+                "point it at the data"
+            )
+        return
+    records = open_records(dataset_path, conversations_field, split)
+    if len(records) == 0:
+        raise ValueError(f"[training] dataset_path: {records.name} has no rows; point it at the data")
+
+
 def open_records(dataset_path: str | Path, conversations_field: str, split: str) -> JsonlRecords | SaveToDiskRecords:
     """Pick the reader for `dataset_path`; fail with the key name when the path does not exist."""
     if not dataset_path:
@@ -169,4 +202,4 @@ def open_records(dataset_path: str | Path, conversations_field: str, split: str)
     return JsonlRecords(path, conversations_field)
 
 
-__all__ = ["JsonlRecords", "SaveToDiskRecords", "open_records", "is_save_to_disk_dir"]
+__all__ = ["JsonlRecords", "SaveToDiskRecords", "check_dataset", "is_save_to_disk_dir", "jsonl_files", "open_records"]

@@ -1,6 +1,10 @@
 """Training metrics: throughput / MFU arithmetic, one log line per `log_freq` steps, JSONL file, and the
 optional wandb / TensorBoard sinks (imported lazily).
 
+metrics.jsonl is strict JSON, one object per line (`null` for a non-finite or missing value), and holds one
+record per logged step across resumes: a resumed run first drops the records of steps after the checkpoint
+it resumed from (written by the crashed run, now trained again). `lr` is the rate the step used.
+
 MFU is reported in both conventions of ARCHITECTURE.md §7 (`training_flops_per_token(args, seq_len,
 "megatron"|"torchtitan")`) against the dense bf16 peak of the detected GPU; on CPU it is n/a.
 wandb settings come from the environment only (`wandb_init_kwargs`: WANDB_PROJECT, WANDB_TEAM, WANDB_RUN_NAME,
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -51,6 +56,43 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def format_eta(seconds: float) -> str:
+    """`Nd HH:MM:SS` (days are not wrapped: three days and five seconds is `3d 00:00:05`)."""
+    if not math.isfinite(seconds):
+        return "n/a"
+    total = max(int(round(seconds)), 0)
+    days, rest = divmod(total, 86400)
+    return f"{days}d {rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+
+
+def strict_json_record(metrics: dict[str, Any]) -> str:
+    """One JSON line of `metrics`, non-finite floats written as null (valid JSON for any strict parser)."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+    return json.dumps(clean, allow_nan=False)
+
+
+def drop_records_after(path: Path, step: int) -> int:
+    """Rewrite the JSONL file `path` without the records of steps after `step` (and without lines a crash cut
+    short); returns how many lines were dropped. Atomic: the file is replaced by a complete new one."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            keep = json.loads(line).get("step", 0) <= step
+        except (json.JSONDecodeError, AttributeError):
+            keep = False
+        if keep:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return dropped
+
+
 @dataclass
 class StepRecord:
     """Everything measured for one optimizer step (already reduced over ranks where it matters)."""
@@ -86,6 +128,7 @@ class MetricsLogger:
     enable_tensorboard: bool = False
     is_rank0: bool = True
     wandb_run_id: str | None = None  # set to resume an existing wandb run
+    start_step: int = 0  # the step resumed from (0: a fresh run)
     _window: list[StepRecord] = field(default_factory=list, init=False)
     _skipped_total: int = field(default=0, init=False)
     _qk_clip_total: int = field(default=0, init=False)
@@ -103,6 +146,12 @@ class MetricsLogger:
         if not self.is_rank0:
             return
         Path(self.run_folder).mkdir(parents=True, exist_ok=True)
+        if self.save_jsonl:
+            dropped = drop_records_after(self.jsonl_path, self.start_step)
+            if dropped:
+                logger.info(
+                    "metrics: dropped %d record(s) after step %d from %s", dropped, self.start_step, self.jsonl_path
+                )
         if self.enable_wandb:
             self._wandb = self._init_wandb()
         if self.enable_tensorboard:
@@ -183,11 +232,11 @@ class MetricsLogger:
             _fmt(tflops["megatron"], ".3g"), _fmt(tflops["torchtitan"], ".3g"),
             pct(mfu["megatron"]), pct(mfu["torchtitan"]), _fmt(peak_mem, ".1f"),
             _fmt(metrics["expert_imbalance_max_over_mean"], ".2f"), self._qk_clip_total, self._skipped_total,
-            time.strftime("%H:%M:%S", time.gmtime(eta_s)),
+            format_eta(eta_s),
         )  # fmt: skip
         if self.save_jsonl:
             with self.jsonl_path.open("a") as f:
-                f.write(json.dumps(metrics) + "\n")
+                f.write(strict_json_record(metrics) + "\n")
         numeric = {k: v for k, v in metrics.items() if v is not None and k != "step"}
         if self._wandb is not None:
             self._wandb.log(numeric, step=last.step)

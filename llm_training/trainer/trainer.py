@@ -39,15 +39,16 @@ from llm_training.motif.spec import MOTIF3_SPEC
 from llm_training.quantization import apply_converters
 from llm_training.trainer.batch import PreparedBatch, prepare_batch
 from llm_training.trainer.checkpoint import (
-    BlobState,
     CheckpointManager,
     ModelState,
+    RankStates,
     load_model_weights_dcp,
+    restore_rng_of_rank,
     rng_state,
-    set_rng_state,
 )
 from llm_training.trainer.losses import count_labelled_tokens, micro_batch_loss
 from llm_training.trainer.metrics import MetricsLogger, StepRecord
+from llm_training.trainer.resume import reapply_lr_schedule, warn_changed_config
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class TrainState:
         self.wandb_run_id = ""
         self.config_toml = config_toml
         self.model_config_json = model_config_json
+        self.resumed_config_toml = ""  # the config of the checkpoint resumed from
 
     def state_dict(self) -> dict:
         return {
@@ -101,6 +103,7 @@ class TrainState:
         self.step = int(state["step"])
         self.skipped_steps = int(state["skipped_steps"])
         self.wandb_run_id = str(state["wandb_run_id"])
+        self.resumed_config_toml = str(state["config_toml"])
 
 
 class _StopSignal:
@@ -228,31 +231,35 @@ class Trainer:
         self.checkpointer = None
         if c.checkpoint.enable:
             self.checkpointer = CheckpointManager(
-                self.run_folder / c.checkpoint.folder, c.checkpoint.keep_latest_k, c.checkpoint.async_mode
+                self.run_folder / c.checkpoint.folder,
+                c.checkpoint.keep_latest_k,
+                c.checkpoint.async_mode,
+                c.checkpoint.on_damaged,
             )
         self.stop_signal = _StopSignal()
         self.nonfinite_in_a_row = 0
 
     # ------------------------------------------------------------------ checkpoint state
     def checkpoint_state(self) -> dict:
-        """The components of one checkpoint (per-rank data loader / RNG under per-rank keys)."""
+        """The components of one checkpoint (every rank's data loader / RNG state under one key each)."""
+        world = world_size()
         return {
             "model": ModelState(self.model),
             "optimizer": self.optimizers,
             "lr_scheduler": self.lr_scheduler,
-            f"dataloader_dp_rank_{self.dp_rank}": BlobState(
-                self.dataloader.state_dict, self.dataloader.load_state_dict
-            ),
-            f"rng_rank_{self.rank}": BlobState(rng_state, set_rng_state),
+            "dataloader": RankStates(self.dataloader.rank_state, self.dataloader.load_rank_states),
+            "rng": RankStates(rng_state, lambda states: restore_rng_of_rank(states, self.rank, world)),
             "train_state": self.train_state,
         }
 
     def _resume_or_initial_load(self) -> None:
         ck = self.job_config.checkpoint
-        latest = self.checkpointer.latest_step() if self.checkpointer else None
+        latest = self.checkpointer.load_latest(self.checkpoint_state()) if self.checkpointer else None
         if latest is not None:
-            self.checkpointer.load(latest, self.checkpoint_state())
             logger.info("resumed from %s (step %d)", self.checkpointer.step_dir(latest), self.train_state.step)
+            reapply_lr_schedule(self.lr_scheduler)  # the first resumed step uses the current schedule
+            if self.rank == 0:
+                warn_changed_config(self.train_state.resumed_config_toml, self.train_state.config_toml)
             self._warn_if_lr_differs_from_checkpoint()
         elif ck.initial_load_path:
             if ck.initial_load_format == "hf":
@@ -283,6 +290,7 @@ class Trainer:
         """One optimizer step over `micro_batches` (the data loader's CPU batch dicts)."""
         t = self.job_config.training
         step = self.train_state.step
+        lr = self.lr_scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler steps after it)
         # Progress = optimizer steps taken so far / total (0 on the first step), from the LR scheduler's step
         # count: it is checkpointed, so a resumed run sees the same schedule as an uninterrupted one.
         self.hooks.begin_step(self.lr_scheduler.last_step / max(t.steps, 1))
@@ -348,7 +356,6 @@ class Trainer:
             model_metrics = self.hooks.after_step(global_stats, applied=True)
             self.lr_scheduler.step()
             self.optimizers.zero_grad()
-        lr = self.lr_scheduler.get_last_lr()[0]
         return StepRecord(
             step=step,
             loss=parts[0].item(),
@@ -381,6 +388,7 @@ class Trainer:
             enable_tensorboard=c.metrics.enable_tensorboard,
             is_rank0=self.rank == 0,
             wandb_run_id=self.train_state.wandb_run_id or None,
+            start_step=start_step,
         )
         run_id = [metrics.wandb_run_id or ""]
         if dist.is_initialized():  # only rank 0 talks to wandb; every rank stores the same id in the checkpoint

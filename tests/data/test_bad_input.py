@@ -53,6 +53,23 @@ def test_skip_counts_and_names_file_and_line(tmp_path, hf_tokenizer, caplog):
     assert f"{path}:{shown[0][0]}" in caplog.text and "bad records skipped so far: 8" in caplog.text
 
 
+def test_each_bad_record_is_reported_once_then_counted(tmp_path, hf_tokenizer, caplog):
+    lines = [GOOD, '{"messages": []}', GOOD, '{"conversations": []}', GOOD]
+    path = write_jsonl(tmp_path / "two_bad.jsonl", lines)
+    loader = make_loader(path, hf_tokenizer, max_bad_fraction=1.0, local_batch_size=1, packing="pad", shuffle=True)
+    with caplog.at_level(logging.WARNING, logger="llm_training.data.dataloader"):
+        while loader.epoch < 3:  # three passes over the same two bad records
+            loader.next_batch()
+    assert loader.counters["bad_records"] >= 6  # counted on every pass
+    reports = [r.getMessage() for r in caplog.records if "skipping bad record" in r.getMessage()]
+    assert sorted(reports) == [
+        f"data rank 0: skipping bad record {path}:2: no 'conversations' field (keys: ['messages'])",
+        f"data rank 0: skipping bad record {path}:4: conversations is empty",
+    ]
+    summaries = [r.getMessage() for r in caplog.records if "bad records skipped so far" in r.getMessage()]
+    assert summaries == ["data rank 0: bad records skipped so far: 2 (2 not seen before in this epoch)"]
+
+
 @pytest.mark.parametrize("line_index", range(len(BAD_LINES)))
 def test_fail_policy_raises_with_file_line_and_reason(line_index, tmp_path, hf_tokenizer):
     bad, words = list(BAD_LINES.items())[line_index]

@@ -1,18 +1,27 @@
-"""CheckpointManager: round trip of model / optimizer / per-rank blobs, atomic publish (a save killed
-mid-way leaves the previous checkpoint loadable and its tmp dir ignored and cleaned), keep-last-N, async."""
+"""CheckpointManager: round trip of model / optimizer / per-rank JSON states, atomic publish (a save killed
+mid-way leaves the previous checkpoint loadable and its tmp dir ignored and cleaned), keep-last-N, async;
+integrity (a truncated, deleted or bit-flipped file is found, named, and the previous checkpoint used) and
+safe loading (a metadata pickle naming any other global is refused)."""
 
+import hashlib
+import json
+import logging
+import pickle
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from llm_training.trainer.checkpoint import (
     COMPLETE_MARKER,
-    BlobState,
+    CheckpointDamagedError,
     CheckpointManager,
     ModelState,
+    RankStates,
     complete_steps,
+    restore_rng_of_rank,
     rng_state,
     set_rng_state,
 )
@@ -46,7 +55,7 @@ def _setup(seed):
     state = {
         "model": ModelState(model),
         "optimizer": _Opt(model, opt),
-        "dataloader_dp_rank_0": BlobState(lambda: box["data"], lambda s: box.update(data=s)),
+        "dataloader": RankStates(lambda: box["data"], lambda states: box.update(data=states[0])),
         "train_state": {"step": seed},
     }
     return model, opt, box, state
@@ -126,8 +135,100 @@ def test_async_save_publishes_on_wait(tmp_path):
 
 
 def test_rng_state_round_trip():
-    state = rng_state()
-    a = (random.random(), torch.rand(3))
+    state = json.loads(json.dumps(rng_state()))  # stored as JSON
+    a = (random.random(), np.random.rand(), torch.rand(3))
     set_rng_state(state)
-    b = (random.random(), torch.rand(3))
-    assert a[0] == b[0] and torch.equal(a[1], b[1])
+    b = (random.random(), np.random.rand(), torch.rand(3))
+    assert a[:2] == b[:2] and torch.equal(a[2], b[2])
+
+
+def test_rng_on_another_world_size_is_reseeded_per_rank():
+    saved = [rng_state(), rng_state()]
+    draws = []
+    for rank in (0, 1, 2, 0):
+        restore_rng_of_rank(saved, rank, world_size=3)
+        draws.append(torch.rand(2))
+    assert torch.equal(draws[0], draws[3])  # deterministic
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])  # distinct per rank
+
+
+# ------------------------------------------------------------------------------------------- integrity
+def _two_checkpoints(tmp_path, **kwargs):
+    model, _, _, state = _setup(1)
+    mgr = CheckpointManager(tmp_path, **kwargs)
+    mgr.save(1, state)
+    at_step_1 = _params(model)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    mgr.save(2, state)
+    return mgr, at_step_1
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_a_bit_in_a_weight(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        (lambda d: _truncate(d / "__0_0.distcp"), "__0_0.distcp: "),
+        (lambda d: (d / ".metadata").unlink(), ".metadata: missing"),
+        (lambda d: _flip_a_bit_in_a_weight(d / "__0_0.distcp"), "__0_0.distcp: SHA-256 differs"),
+        (lambda d: (d / COMPLETE_MARKER).write_text("step 2\n"), "unreadable completion marker"),
+    ],
+    ids=["truncated-shard", "deleted-metadata", "flipped-bit", "bad-marker"],
+)
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(damage, named, tmp_path, caplog):
+    mgr, at_step_1 = _two_checkpoints(tmp_path)
+    damage(tmp_path / "step-2")
+    model2, _, _, state2 = _setup(7)
+    with caplog.at_level(logging.ERROR):
+        assert mgr.load_latest(state2) == 1
+    assert named in caplog.text and "step-2" in caplog.text
+    assert all(torch.equal(v, _params(model2)[k]) for k, v in at_step_1.items())
+    assert complete_steps(tmp_path) == [1]  # step-2 moved aside, so step 2 is saved again when reached
+    assert [d.name.split(".damaged-")[0] for d in tmp_path.iterdir() if ".damaged-" in d.name] == ["step-2"]
+    mgr.save(2, state2)
+    assert complete_steps(tmp_path) == [1, 2]
+
+
+def test_damaged_checkpoint_stops_the_run_when_asked(tmp_path):
+    mgr, _ = _two_checkpoints(tmp_path, on_damaged="stop")
+    _truncate(tmp_path / "step-2" / "__0_0.distcp")
+    _, _, _, state2 = _setup(7)
+    with pytest.raises(CheckpointDamagedError, match=r"step-2/__0_0.distcp: \d+ bytes.*on_damaged = 'fall_back'"):
+        mgr.load_latest(state2)
+    assert complete_steps(tmp_path) == [1, 2]  # nothing moved
+
+
+def test_every_checkpoint_damaged_stops_the_run(tmp_path):
+    mgr, _ = _two_checkpoints(tmp_path)
+    for step in (1, 2):
+        (tmp_path / f"step-{step}" / ".metadata").unlink()
+    _, _, _, state2 = _setup(7)
+    with pytest.raises(CheckpointDamagedError, match="every checkpoint in .* is damaged"):
+        mgr.load_latest(state2)
+
+
+def test_metadata_naming_another_global_is_refused(tmp_path, capsys):
+    class Evil:
+        def __reduce__(self):
+            return (print, ("this must not run",))
+
+    mgr, _ = _two_checkpoints(tmp_path)
+    folder = tmp_path / "step-2"
+    (folder / ".metadata").write_bytes(pickle.dumps(Evil()))
+    marker = json.loads((folder / COMPLETE_MARKER).read_text())  # a consistent marker: only the unpickler stops it
+    data = (folder / ".metadata").read_bytes()
+    marker["files"][".metadata"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / COMPLETE_MARKER).write_text(json.dumps(marker))
+    _, _, _, state2 = _setup(7)
+    with pytest.raises(pickle.UnpicklingError, match="builtins.print, which is not a DCP metadata type"):
+        mgr.load(2, state2)
+    assert "this must not run" not in capsys.readouterr().out

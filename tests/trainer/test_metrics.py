@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from llm_training.motif import get_flavor, training_flops_per_token
-from llm_training.trainer.metrics import MetricsLogger, StepRecord, peak_bf16_flops
+from llm_training.trainer.metrics import (
+    MetricsLogger,
+    StepRecord,
+    format_eta,
+    peak_bf16_flops,
+)
 
 ARGS = get_flavor("motif3_debug")
 
@@ -50,3 +55,76 @@ def test_jsonl_records_and_throughput(tmp_path):
 
 def test_peak_flops_cpu_is_none():
     assert peak_bf16_flops(torch.device("cpu")) is None
+
+
+def _strict_json(line: str):
+    def refuse(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_jsonl_is_strict_json_with_null_for_non_finite(tmp_path):
+    log = MetricsLogger(ARGS, seq_len=64, total_steps=2, log_freq=1, run_folder=tmp_path, device=torch.device("cpu"))
+    log.record(_rec(1, float("nan"), skipped=True))
+    bad = _rec(2, float("inf"), skipped=True)
+    bad.grad_norm = float("-inf")
+    log.record(bad)
+    log.close()
+    lines = [_strict_json(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in lines] == [(1, None, 2.0), (2, None, None)]
+
+
+@pytest.mark.parametrize(
+    "seconds, text",
+    [
+        (0, "0d 00:00:00"),
+        (59.6, "0d 00:01:00"),
+        (86399, "0d 23:59:59"),
+        (3 * 86400 + 5, "3d 00:00:05"),
+        (float("inf"), "n/a"),
+    ],
+)
+def test_eta_does_not_wrap_at_a_day(seconds, text):
+    assert format_eta(seconds) == text
+
+
+def test_resumed_logger_drops_the_records_after_its_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    log = MetricsLogger(
+        ARGS, seq_len=64, total_steps=5, log_freq=1, run_folder=tmp_path, device=torch.device("cpu"), start_step=3
+    )
+    for step in (4, 5):
+        log.record(_rec(step, 2.0))
+    log.close()
+    lines = [_strict_json(x) for x in path.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5] and [r["loss"] for r in lines] == [1.0] * 3 + [2.0] * 2
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_trainer_metrics_one_record_per_step_across_a_crash_and_lr_of_the_step(make_config):
+    from llm_training.distributed import ParallelDims
+    from llm_training.trainer import Trainer, train
+
+    dims = ParallelDims(1, -1, 1, 1, 1)
+    config = ("--training.steps=4", "--checkpoint.interval=2", "--optimizer.name=adamw", "--optimizer.lr=3e-3")
+    crashed = Trainer(make_config(*config), dims)
+
+    def crash_at_step_4(module, args):
+        if crashed.train_state.step == 4:
+            raise _Crash
+
+    crashed.model.register_forward_pre_hook(crash_at_step_4)
+    with pytest.raises(_Crash):
+        crashed.fit()
+    metrics = crashed.run_folder / "metrics.jsonl"
+    assert [_strict_json(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2, 3]
+    train(make_config(*config), dims)  # resumes from step 2
+    lines = [_strict_json(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    # warmup over 2 steps, then cosine down to 0.1 x at the last step: the rates steps 1..4 trained with
+    assert [r["lr"] for r in lines] == pytest.approx([1.5e-3, 3e-3, 1.65e-3, 3e-4])

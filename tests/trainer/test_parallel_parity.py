@@ -83,8 +83,8 @@ def micro_batches(step: int, dims, rank: int) -> list[dict[str, torch.Tensor]]:
 
 
 def _worker(rank, world, port, layout, dump_folder, out_file, save_step, resume, hf_dir):
-    """Train `layout` on this rank (STEPS steps; or, with `resume`, load the run's latest checkpoint but its data
-    loader and RNG states, which belong to the saving layout's ranks, and train one step); save a checkpoint and export HF (fp32) to `hf_dir` after `save_step` (resume: right after loading)."""
+    """Train `layout` on this rank (STEPS steps; or, with `resume`, resume from the run's latest checkpoint and
+    train one step); save a checkpoint and export HF (fp32) to `hf_dir` after `save_step` (resume: right after loading)."""
     from llm_training.distributed import ParallelDims
     from llm_training.distributed.utils import setup_distributed
     from llm_training.trainer import Trainer
@@ -103,9 +103,8 @@ def _worker(rank, world, port, layout, dump_folder, out_file, save_step, resume,
         trainer = Trainer(config, dims, device)
         export = lambda: trainer.spec.state_dict_adapter.export_hf_checkpoint(trainer.model, hf_dir, torch.float32)
         last = STEPS
-        if resume:  # model, optimizer, LR schedule and step; the data loader's position is per data-parallel size
-            state = {k: v for k, v in trainer.checkpoint_state().items() if not k.startswith(("dataloader", "rng"))}
-            trainer.checkpointer.load(trainer.checkpointer.latest_step(), state)
+        if resume:  # the trainer's own resume (elastic: the checkpoint was written by another world size)
+            trainer._resume_or_initial_load()
             last = trainer.train_state.step + 1
             export()
         losses, qk_clip_events = {}, 0

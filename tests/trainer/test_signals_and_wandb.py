@@ -106,8 +106,11 @@ def _offline_wandb_env(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_API_KEY", API_KEY)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # wandb must not write ~/.netrc or settings with the key
-    for alias in ("WANDB_ENTITY", "WANDB_NAME", "WANDB_RUN_ID"):
-        monkeypatch.delenv(alias, raising=False)
+    # under parallel test load the wandb-core service can take longer than its 30 s / 90 s defaults to start
+    monkeypatch.setenv("WANDB__SERVICE_WAIT", "600")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "600")
+    for name in ("WANDB_ENTITY", "WANDB_NAME", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_DIR"):
+        monkeypatch.delenv(name, raising=False)
 
 
 def test_wandb_offline_logs_metrics_and_resumes_same_run(make_config, tmp_path, monkeypatch, capfd):

@@ -1,7 +1,7 @@
 """The train loop on 2 gloo CPU ranks (FSDP2 + distributed Muon + QK-clip + expert-bias update): the sharded
 model starts from the single-process initial weights; a SIGTERM
 delivered to ONE rank stops BOTH at the same step with one complete checkpoint holding every rank's data
-loader and RNG state, and the replicated state (fp32 params outside FSDP, expert biases) stays identical
+loader and RNG state (one key each), and the replicated state (fp32 params outside FSDP, expert biases) stays identical
 on the ranks."""
 
 import datetime
@@ -94,8 +94,7 @@ def test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path, free_por
     folder = tmp_path / "runs" / "t" / "checkpoint"
     assert complete_steps(folder) == [SIGNAL_STEP] and r0["checkpoint"] == str(folder / f"step-{SIGNAL_STEP}")
     keys = set(FileSystemReader(r0["checkpoint"]).read_metadata().state_dict_metadata)
-    for component in ("dataloader_dp_rank_0", "dataloader_dp_rank_1", "rng_rank_0", "rng_rank_1"):
-        assert any(k.startswith(component + ".") for k in keys), (component, sorted(keys)[:20])
+    assert {"dataloader.json", "rng.json"} <= keys  # one key each, holding the states of both ranks
     assert any(k.endswith("moe.expert_bias") for k in keys)
     # fp32 params kept outside FSDP2 (router gate, mHC, PolyNorm) and the expert biases: bitwise the same on
     # both ranks (summed gradients / all-reduced counts), and the biases did move away from their zero init

@@ -1,0 +1,78 @@
+"""What the config points at is checked up front: a missing data set or tokenizer, an empty data set, a
+split that is not there and a missing optional package each exit 2 from the entrypoint with one message
+naming the key and the fix, before any process-group, mesh or model work."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import llm_training.train as train_module
+from llm_training.config.manager import TRAIN_CONFIGS_DIR
+
+DEBUG_TOML = str(TRAIN_CONFIGS_DIR / "debug_cpu.toml")
+
+
+@pytest.fixture(autouse=True)
+def entrypoint_without_setup(monkeypatch):
+    """main() in one process, failing the test if it reaches process-group or training work."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+    def reached(what):
+        def fail(*args, **kwargs):
+            raise AssertionError(f"{what} was reached: the config error was not found up front")
+
+        return fail
+
+    monkeypatch.setattr(train_module, "setup_distributed", reached("setup_distributed"))
+    monkeypatch.setattr(train_module, "run", reached("run"))
+    handlers, level = logging.root.handlers[:], logging.root.level
+    yield
+    logging.root.handlers[:] = handlers
+    logging.root.setLevel(level)
+
+
+def _error(capsys, *overrides) -> str:
+    assert train_module.main(["--job.config_file", DEBUG_TOML, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.count("config error") == 1
+    return err
+
+
+def test_missing_dataset_path(tmp_path, capsys):
+    err = _error(capsys, f"--training.dataset_path={tmp_path / 'nope.jsonl'}")
+    assert "[training] dataset_path" in err and "nope.jsonl' does not exist" in err
+
+
+def test_missing_tokenizer_path(tmp_path, capsys):
+    err = _error(capsys, f"--model.tokenizer_path={tmp_path / 'no_tokenizer'}")
+    assert "[model] tokenizer_path" in err and "is not a directory" in err and "bundled" in err
+
+
+def test_empty_dataset(tmp_path, capsys):
+    (tmp_path / "a.jsonl").write_text("")
+    (tmp_path / "b.jsonl").write_text("\n  \n")
+    err = _error(capsys, f"--training.dataset_path={tmp_path}")
+    assert "[training] dataset_path" in err and "has no records (2 jsonl file(s), all empty)" in err
+
+
+def test_split_not_in_the_dataset(tmp_path, capsys):
+    datasets = pytest.importorskip("datasets")
+    turns = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]]
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"conversations": turns})}).save_to_disk(tmp_path)
+    err = _error(capsys, f"--training.dataset_path={tmp_path}", "--huggingface_dataset.split=validation")
+    assert "[huggingface_dataset] split: 'validation' is not in" in err and "available splits: ['train']" in err
+
+
+@pytest.mark.parametrize("flag, package", [("enable_tensorboard", "tensorboard"), ("enable_wandb", "wandb")])
+def test_missing_optional_package(flag, package, capsys, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == package else real_find_spec(name, *a)
+    )
+    err = _error(capsys, f"--metrics.{flag}")
+    assert f"[metrics] {flag} = true needs the {package} package" in err and f"pip install {package}" in err
