@@ -11,7 +11,8 @@ Expert parallelism is carved out of the dp_shard x cp ranks (ARCHITECTURE.md §5
 over `ep` consecutive ranks of that group (`ep_rank` is the rank arithmetic) and FSDP-sharded over the
 remaining dp_shard*cp/ep ones. Its mesh `ep_mesh` (dims "dp_replicate", "dp_shard_mod_ep", "ep": the
 dp_shard x cp ranks in rank order, cut into groups of `ep` consecutive ones) is built with the world mesh,
-only when ep > 1 (no mesh that nothing uses). (Design borrowed from torchtitan's ParallelDims; see THIRD_PARTY_NOTICES.md.)
+only when ep > 1 (no mesh that nothing uses). (Design borrowed from torchtitan's ParallelDims; see
+THIRD_PARTY_NOTICES.md.)
 """
 
 from __future__ import annotations
