@@ -65,3 +65,6 @@ class ModelSpec:
     build_step_hooks: Callable[[nn.Module, Any, Any], StepHooks]  # (model, model args, job_config) -> hooks
     head_weight: Callable[[nn.Module], torch.Tensor]  # the output projection the fused loss multiplies
     num_mtp_modules: Callable[[Any], int]  # model args -> multi-token-prediction modules (0: none)
+    # (model args, tokens per rank, activation_checkpoint mode, compute dtype) -> estimate with `saved_bytes` (kept
+    # from forward to backward) and `recompute_bytes` (one block re-materialised in its backward); the dry run's
+    activation_memory: Callable[[Any, int, str, torch.dtype], Any]

@@ -4,7 +4,9 @@ Also runs under torchrun (`torchrun --nproc_per_node N -m llm_training.train ...
 parse + validate the config (no torch.distributed, no GPU yet) -> set up logging -> `setup_distributed` (once:
 device, process group (nccl on CUDA, gloo on CPU), device mesh) -> write the resolved config to
 <dump_folder>/<run_name>/config.toml -> run() -> the trainer.
-Exit codes: 0 success, 2 configuration error.
+`--job.dry_run` replaces everything after validation with the dry run (llm_training/dry_run.py): the setup of
+every rank on this one CPU process under a fake process group, and a memory report against the GPU's memory.
+Exit codes: 0 success (dry run: fits), 2 configuration error, 3 dry run: does not fit.
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(to_toml(job_config), end="")
             return 0
+        if job_config.job.dry_run:  # set up every rank on this CPU, report the memory, exit 0 / 3 (fits / not)
+            from llm_training.dry_run import dry_run
+
+            return dry_run(job_config)
         parallel_dims = validate_for_world_size(job_config, env_world_size())
         validate_environment(job_config)  # data, tokenizer, optional packages: exit 2, before any setup
         init_logging(rank)

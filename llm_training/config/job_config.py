@@ -42,6 +42,21 @@ class Job:
     description: str = option("", "free-text description of the run, shown in logs")
     print_config: bool = option(False, "print the resolved config as TOML and exit")
     run_name: str = option("", "run folder name under dump_folder (empty: the config file's stem, or 'default')")
+    dry_run: bool = option(
+        False,
+        "instead of training, set the job up for its full world size on one CPU process (fake process group, "
+        "model on meta), print each rank's memory report and exit: 0 fits, 3 does not fit (llm_training/dry_run.py)",
+    )
+    dry_run_world_size: int = option(
+        0,
+        "world size the dry run sets up (0: WORLD_SIZE when set, else data_parallel_replicate x shard x "
+        "context_parallel degrees, which needs an explicit data_parallel_shard_degree)",
+    )
+    dry_run_gpu_memory_gib: float = option(
+        178.0,
+        "memory of one GPU the dry run checks against, in GiB as torch.cuda.mem_get_info reports it "
+        "(B200 178, H200 139, H100 79)",
+    )
 
 
 @dataclass

@@ -144,6 +144,14 @@ def validate_config(c: "JobConfig") -> None:
     _require(ck.keep_latest_k >= 0, f"[checkpoint] keep_latest_k must be >= 0 (0 keeps all), got {ck.keep_latest_k}")
     _require(c.metrics.log_freq >= 1, f"[metrics] log_freq must be >= 1, got {c.metrics.log_freq}")
     _require(
+        c.job.dry_run_world_size >= 0,
+        f"[job] dry_run_world_size must be >= 0 (0: WORLD_SIZE or the config's degrees), got {c.job.dry_run_world_size}",
+    )
+    _require(
+        c.job.dry_run_gpu_memory_gib > 0,
+        f"[job] dry_run_gpu_memory_gib must be > 0 (e.g. 178 for B200), got {c.job.dry_run_gpu_memory_gib}",
+    )
+    _require(
         c.job.run_name not in ("", ".", "..") and "/" not in c.job.run_name and "\\" not in c.job.run_name,
         f"[job] run_name {c.job.run_name!r} must be a plain folder name (no path separators)",
     )

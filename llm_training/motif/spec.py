@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from llm_training.model_spec import ModelSpec, StateDictAdapter
 from llm_training.motif import MODEL_FLAVORS, get_flavor
+from llm_training.motif.activation_memory import estimate_activation_memory
 from llm_training.motif.model import Motif3Model
 from llm_training.motif.optimizer_groups import motif_optimizer_rules
 from llm_training.motif.parallelize import parallelize_motif
@@ -34,4 +35,5 @@ MOTIF3_SPEC = ModelSpec(
     build_step_hooks=MotifStepHooks,
     head_weight=lambda model: model.lm_head.weight,
     num_mtp_modules=lambda model_args: model_args.num_nextn_predict_layers,
+    activation_memory=estimate_activation_memory,
 )

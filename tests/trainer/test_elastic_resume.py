@@ -19,6 +19,7 @@ import llm_training.data.dataloader as dataloader_module
 from llm_training.config import ConfigManager
 from llm_training.config.job_config import PACKAGE_DIR
 from llm_training.distributed import ParallelDims
+from llm_training.distributed.utils import setup_distributed
 
 DEBUG_CPU_TOML = PACKAGE_DIR / "motif" / "train_configs" / "debug_cpu.toml"
 NUM_RECORDS = 5  # one document per rank per step: A ends inside epoch 0, B inside epoch 1, C and D in epoch 2
@@ -63,7 +64,9 @@ def _phase(rank, world, port, dump_folder, data_path, steps, out_folder):
 
     dataloader_module.collate_rows = recording_collate
     try:
-        trainer = Trainer(_config(dump_folder, data_path, steps), ParallelDims(1, -1, 1, 1, world))
+        dims = ParallelDims(1, -1, 1, 1, world)
+        device, _ = setup_distributed("cpu", dims)  # builds the mesh on the gloo group (none in one process)
+        trainer = Trainer(_config(dump_folder, data_path, steps), dims, device)
         trainer.dataloader.prefetch_batches = 0  # every batch made is a batch trained
         loaded, real_step = {}, trainer.train_step
 

@@ -112,7 +112,7 @@ def test_trainer_metrics_one_record_per_step_across_a_crash_and_lr_of_the_step(m
 
     dims = ParallelDims(1, -1, 1, 1, 1)
     config = ("--training.steps=4", "--checkpoint.interval=2", "--optimizer.name=adamw", "--optimizer.lr=3e-3")
-    crashed = Trainer(make_config(*config), dims)
+    crashed = Trainer(make_config(*config), dims, torch.device("cpu"))
 
     def crash_at_step_4(module, args):
         if crashed.train_state.step == 4:
@@ -123,7 +123,7 @@ def test_trainer_metrics_one_record_per_step_across_a_crash_and_lr_of_the_step(m
         crashed.fit()
     metrics = crashed.run_folder / "metrics.jsonl"
     assert [_strict_json(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2, 3]
-    train(make_config(*config), dims)  # resumes from step 2
+    train(make_config(*config), dims, torch.device("cpu"))  # resumes from step 2
     lines = [_strict_json(x) for x in metrics.read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
     # warmup over 2 steps, then cosine down to 0.1 x at the last step: the rates steps 1..4 trained with

@@ -4,6 +4,8 @@ since the checkpoint."""
 
 import logging
 
+import torch
+
 from llm_training.distributed import ParallelDims
 from llm_training.trainer import train
 from llm_training.trainer.resume import changed_config_keys
@@ -13,11 +15,13 @@ COMMON = ("--lr_scheduler.warmup_steps=3", "--checkpoint.interval=100", "--optim
 
 
 def test_extending_a_finished_run_matches_a_fresh_longer_run(make_config, caplog):
-    fresh = train(make_config("--job.run_name=fresh", "--training.steps=6", *COMMON), DIMS)
-    first = train(make_config("--job.run_name=extended", "--training.steps=3", *COMMON), DIMS)
+    fresh = train(make_config("--job.run_name=fresh", "--training.steps=6", *COMMON), DIMS, torch.device("cpu"))
+    first = train(make_config("--job.run_name=extended", "--training.steps=3", *COMMON), DIMS, torch.device("cpu"))
     assert sorted(first.losses) == [1, 2, 3]
     with caplog.at_level(logging.WARNING):
-        extended = train(make_config("--job.run_name=extended", "--training.steps=6", *COMMON), DIMS)
+        extended = train(
+            make_config("--job.run_name=extended", "--training.steps=6", *COMMON), DIMS, torch.device("cpu")
+        )
     assert extended.start_step == 3 and sorted(extended.losses) == [4, 5, 6]
     for step in (4, 5, 6):  # step 5 is the first whose loss depends on the lr of a resumed step
         assert extended.losses[step] == fresh.losses[step], (step, extended.losses[step], fresh.losses[step])
