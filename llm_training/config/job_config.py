@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from llm_training.distributed.activation_checkpoint import AC_MODES
+from llm_training.distributed.context_parallel import CP_MODES
+from llm_training.distributed.expert_parallel import DISPATCHERS
 from llm_training.layers.attention_backends import ATTENTION_BACKENDS
 from llm_training.motif import MODEL_FLAVORS
 from llm_training.quantization import CONVERTERS
@@ -158,8 +160,18 @@ class Parallelism:
     expert_parallel_degree: int = option(
         1, "ranks the experts are split over; carved out of the dp_shard x context-parallel ranks"
     )
+    expert_parallel_dispatcher: str = option(
+        "all_to_all",
+        "expert-parallel token dispatch: torch all-to-all (any backend) or DeepEP (CUDA, needs deep_ep importable)",
+        choices=tuple(DISPATCHERS),
+    )
     context_parallel_degree: int = option(1, "ranks one sequence is split over (sequence/context parallel)")
-    context_parallel_mode: str = option("ulysses", "context parallel algorithm", choices=("ulysses", "ring"))
+    context_parallel_mode: str = option(
+        "ulysses",
+        "context parallel algorithm: ulysses (head all-to-all; falls back to ring when the heads do not split) or "
+        "ring (ring attention on full layers, a halo of sliding_window keys on sliding ones)",
+        choices=CP_MODES,
+    )
 
 
 @dataclass

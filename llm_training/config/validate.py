@@ -5,10 +5,9 @@ also checks the parallel layout against the number of processes and is called by
 WORLD_SIZE is known; `validate_environment` checks what the config points at (data set, tokenizer, optional
 packages) and is called by the entrypoint before any process-group or model work. Every message names the
 keys involved and how to fix them. These are the only config checks: nothing downstream (trainer, model,
-parallelizer) re-checks the config.
-
-Features the config can express but the framework does not provide yet are rejected here, before any process
-group, tokenizer or data work, with the reason (`_reject_not_built`).
+parallelizer) re-checks the config. The parallel-layout rules that need the model (context-parallel heads /
+chunks, the expert dispatcher) live next to their implementation (`distributed.context_parallel.
+check_context_parallel`, `distributed.expert_parallel.check_dispatcher_available`) and are called from here only.
 """
 
 from __future__ import annotations
@@ -28,19 +27,32 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _reject_not_built(c: "JobConfig") -> None:
-    """Degrees > 1 of parallelisms that are not built yet (their config keys exist for the example configs)."""
+def _check_context_parallel(c: "JobConfig", flavor) -> None:
+    """Heads / noise groups (Ulysses), chunk count and sliding window (ring + halo) against the CP degree."""
+    from llm_training.distributed.context_parallel import check_context_parallel
+
     p = c.parallelism
+    try:
+        check_context_parallel(flavor, p.context_parallel_degree, p.context_parallel_mode, c.training.seq_len)
+    except ValueError as e:
+        raise ConfigError(
+            f"{e} (flavor {c.model.flavor!r}, [parallelism] context_parallel_degree = {p.context_parallel_degree}, "
+            f"context_parallel_mode = {p.context_parallel_mode!r})"
+        ) from None
+
+
+def _check_dispatcher(c: "JobConfig") -> None:
+    """The expert-parallel dispatcher must be importable; DeepEP cannot run deterministically."""
+    from llm_training.distributed.expert_parallel import DISPATCHER_KEY, check_dispatcher_available
+
+    name = c.parallelism.expert_parallel_dispatcher
     _require(
-        p.expert_parallel_degree == 1,
-        f"[parallelism] expert_parallel_degree = {p.expert_parallel_degree}: expert parallelism is not built yet "
-        "(the experts cannot be split over ranks); set expert_parallel_degree = 1 (FSDP2 still shards the experts)",
+        not (name == "deepep" and c.training.deterministic),
+        f"{DISPATCHER_KEY} = 'deepep' cannot run with [training] deterministic = true (DeepEP rejects "
+        "deterministic algorithms with uninitialised-memory filling); set deterministic = false or use the "
+        "'all_to_all' dispatcher",
     )
-    _require(
-        p.context_parallel_degree == 1,
-        f"[parallelism] context_parallel_degree = {p.context_parallel_degree}: context parallelism (Ulysses / ring "
-        "attention) is not built yet; set context_parallel_degree = 1 and a seq_len that fits one GPU",
-    )
+    check_dispatcher_available(name)
 
 
 def validate_config(c: "JobConfig") -> None:
@@ -118,25 +130,14 @@ def validate_config(c: "JobConfig") -> None:
         p.context_parallel_degree >= 1,
         f"[parallelism] context_parallel_degree must be >= 1, got {p.context_parallel_degree}",
     )
-    cp = p.context_parallel_degree
-    _require(
-        t.seq_len % cp == 0,
-        f"[training] seq_len = {t.seq_len} is not divisible by [parallelism] context_parallel_degree = {cp}; "
-        f"make seq_len a multiple of {cp}",
-    )
-    if p.context_parallel_mode == "ulysses":
-        _require(
-            flavor.num_attention_heads % cp == 0,
-            f"[parallelism] context_parallel_mode = 'ulysses' splits attention heads over ranks: the "
-            f"{flavor.num_attention_heads} heads of {c.model.flavor!r} are not divisible by context_parallel_degree "
-            f"= {cp}; pick a degree dividing {flavor.num_attention_heads} or use context_parallel_mode = 'ring'",
-        )
+    _check_context_parallel(c, flavor)
     ep = p.expert_parallel_degree
     _require(
         flavor.num_experts % ep == 0,
         f"[parallelism] expert_parallel_degree = {ep} does not divide the {flavor.num_experts} experts of "
         f"{c.model.flavor!r}; pick a divisor of {flavor.num_experts}",
     )
+    _check_dispatcher(c)
 
     ck = c.checkpoint
     _require(ck.interval >= 1, f"[checkpoint] interval must be >= 1, got {ck.interval}")
@@ -154,7 +155,6 @@ def validate_config(c: "JobConfig") -> None:
         c.job.run_name not in ("", ".", "..") and "/" not in c.job.run_name and "\\" not in c.job.run_name,
         f"[job] run_name {c.job.run_name!r} must be a plain folder name (no path separators)",
     )
-    _reject_not_built(c)
 
 
 def validate_for_world_size(c: "JobConfig", world_size: int) -> "ParallelDims":

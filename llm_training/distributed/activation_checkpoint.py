@@ -20,6 +20,7 @@ _SAVE_OPS = {
     "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_cudnn_attention.default",
     "aten._scaled_dot_product_flash_attention_for_cpu.default", "aten._flash_attention_forward.default",
     "aten._efficient_attention_forward.default",
+    "_c10d_functional.all_to_all_single.default",  # expert / Ulysses all-to-alls: not re-run in the backward
 }  # fmt: skip
 
 

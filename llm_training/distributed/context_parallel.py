@@ -9,9 +9,14 @@ Plan (`plan_context_parallel`):
   split zigzag (2 cp chunks) for causal load balance.
 
 `ContextParallelAttention` has the attention-kernel signature of layers/attention_backends.py, with one
-difference: `document_ids` is the FULL-sequence [B, S] tensor (identical on the cp ranks), while q/k/v are
-this rank's [B, S/cp, ...] tokens in `plan.layout` order. max_logits is this rank's partial [Hq] (-inf
-where it saw nothing); the MAX all-reduce over the world that QK-clip does assembles the exact value.
+difference: `metadata` (AttentionMetadata) is built for the FULL sequence ([B, S] document ids, identical on
+the cp ranks; Motif3Model.forward's `attention_document_ids`), while q/k/v are this rank's [B, S/cp, ...]
+tokens in `plan.layout` order. max_logits is this rank's partial [Hq] (-inf where it saw nothing); the MAX
+all-reduce over the world that QK-clip does assembles the exact value.
+
+`apply_context_parallel` also gives every MoE a `SequenceShardSum` so that its sequence-wise balance loss uses
+the expert frequencies of the WHOLE sequence (layers/moe.py `sequence_balance_loss`), and returns the
+`ContextParallelSplit` the trainer slices its batches with.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from llm_training.distributed.block_attention import block_attention_kernel
-from llm_training.distributed.cp_sharding import SequenceLayout
+from llm_training.distributed.cp_sharding import SequenceLayout, cp_shard
 from llm_training.distributed.halo_attention import halo_attention
 from llm_training.distributed.ring_attention import ring_attention
 from llm_training.distributed.ulysses import ulysses_attention
@@ -112,7 +117,7 @@ class ContextParallelAttention:
         self.inner_kernel, self.strategy, self.layout, self.group = inner_kernel, strategy, layout, group
 
     def __call__(
-        self, q_BSHD, k_BSKD, v_BSKE, *, scale, window, document_ids, record_max_logits
+        self, q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if self.strategy == "ulysses":
             return ulysses_attention(
@@ -122,13 +127,13 @@ class ContextParallelAttention:
                 v_BSKE,
                 scale=scale,
                 window=window,
-                document_ids=document_ids,
+                metadata=metadata,
                 record_max_logits=record_max_logits,
                 group=self.group,
             )
         common = dict(
             scale=scale,
-            document_ids=document_ids,
+            document_ids=metadata.document_ids,
             record_max_logits=record_max_logits,
             layout=self.layout,
             group=self.group,
@@ -141,10 +146,44 @@ class ContextParallelAttention:
         return halo_attention(q_BSHD, k_BSKD, v_BSKE, window=window, **common)
 
 
-def apply_context_parallel(model: torch.nn.Module, plan: ContextParallelPlan, group: dist.ProcessGroup) -> None:
-    """Wrap the kernel of every GDLA layer (trunk and MTP) of `model` for context parallelism."""
-    from llm_training.layers.attention import GDLAttention
+@dataclass(frozen=True)
+class SequenceShardSum:
+    """What a model layer needs to compute a per-sequence statistic from sequence shards: `degree` shards per
+    sequence, and `sum(x)` adding a (detached) per-row tensor over the cp ranks (a functional all-reduce)."""
 
+    group: dist.ProcessGroup
+    degree: int
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_reduce
+
+        return all_reduce(x.contiguous(), "sum", self.group)
+
+
+@dataclass(frozen=True)
+class ContextParallelSplit:
+    """How this rank's batch is cut from the full one: `shard(x_BS)` for every per-token [B, S] tensor."""
+
+    layout: SequenceLayout
+    cp_rank: int
+    group: dist.ProcessGroup
+
+    def shard(self, x_BS: torch.Tensor) -> torch.Tensor:
+        return cp_shard(x_BS, self.layout, self.cp_rank)
+
+
+def apply_context_parallel(
+    model: torch.nn.Module, plan: ContextParallelPlan, group: dist.ProcessGroup
+) -> ContextParallelSplit:
+    """Wrap the kernel of every GDLA layer (trunk and MTP) of `model` for context parallelism, give every MoE
+    the cp-group sum its sequence-wise balance loss needs, and return the batch split of this rank."""
+    from llm_training.layers.attention import GDLAttention
+    from llm_training.layers.moe import MoE
+
+    shard_sum = SequenceShardSum(group, plan.cp)
     for module in model.modules():
         if isinstance(module, GDLAttention):
             module.kernel = ContextParallelAttention(module.kernel, plan.strategy(module.window), plan.layout, group)
+        elif isinstance(module, MoE):
+            module.sequence_shards = shard_sum
+    return ContextParallelSplit(plan.layout, dist.get_rank(group), group)

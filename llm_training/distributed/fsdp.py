@@ -1,9 +1,14 @@
 """FSDP2 with summed gradients, and the gradient all-reduce of the parameters kept out of it.
 
-`apply_fsdp(model, blocks, mesh, mp_policy, replicated_param_names)` shards every block, then the root (embedding,
-final norm, head: the root stays unsharded after forward, so a loss can read the head weight directly), over
-`mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP). Parameters named in `replicated_param_names` stay out of FSDP2
-(`ignored_params`): full, in their own dtype, on every rank; `ReplicatedGradSync` all-reduces their gradients.
+`apply_fsdp(model, blocks, mesh, mp_policy, replicated_param_names, expert_modules, expert_mesh)` shards every block,
+then the root (embedding, final norm, head: the root stays unsharded after forward, so a loss can read the head
+weight directly), over `mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP). Parameters named in
+`replicated_param_names` stay out of FSDP2 (`ignored_params`): full, in their own dtype, on every rank;
+`ReplicatedGradSync` all-reduces their gradients.
+
+Expert parallelism: the expert modules (already DTensors on the EP mesh) are each their own FSDP2 group over
+`expert_mesh` (`expert_parallel.expert_grad_mesh`: the ranks holding the same experts), sharded before the block
+that contains them, so their gradients are summed over those ranks only, never over the EP ranks.
 
 Gradients are SUMMED over data ranks, never averaged: the losses are already normalised by the global
 labelled-token count (trainer/losses.py). FSDP2 is told so with `set_gradient_divide_factor(1)` and SUM-only
@@ -19,11 +24,24 @@ import torch.distributed as dist
 from torch import nn
 
 
-def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, mp_policy, replicated_param_names: list[str]) -> None:
-    """fully_shard each block, then the root, over `mesh`; the named parameters are left out (replicated)."""
+def apply_fsdp(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    mesh,
+    mp_policy,
+    replicated_param_names: list[str],
+    expert_modules: list[nn.Module] = (),
+    expert_mesh=None,
+) -> None:
+    """fully_shard each expert module over `expert_mesh`, each block, then the root, over `mesh`; the named
+    parameters are left out (replicated)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     ignored = {model.get_parameter(name) for name in replicated_param_names}
+    if expert_modules and expert_mesh is None:
+        raise ValueError("apply_fsdp: expert modules given without the expert mesh to shard them over")
+    for experts in expert_modules:  # inner groups first: each lies inside one of the blocks
+        fully_shard(experts, mesh=expert_mesh, mp_policy=mp_policy, ignored_params=ignored & set(experts.parameters()))
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored & set(block.parameters()))
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored)

@@ -9,9 +9,10 @@ they also hold different parameter shards, as in torchtitan).
 
 Expert parallelism is carved out of the dp_shard x cp ranks (ARCHITECTURE.md §5): the experts are split
 over `ep` consecutive ranks of that group (`ep_rank` is the rank arithmetic) and FSDP-sharded over the
-remaining dp_shard*cp/ep ones. Its mesh (dims "dp_replicate", "dp_shard_mod_ep", "ep") is built by the
-expert-parallel code when that exists; until then `ep > 1` is rejected by config validation, and no mesh
-is built that nothing uses. (Design borrowed from torchtitan's ParallelDims; see THIRD_PARTY_NOTICES.md.)
+remaining dp_shard*cp/ep ones. Its mesh `ep_mesh` (dims "dp_replicate", "dp_shard_mod_ep", "ep": the
+dp_shard x cp ranks in rank order, cut into groups of `ep` consecutive ones) is built with the world mesh,
+only when ep > 1 (no mesh that nothing uses). (Design borrowed from torchtitan's ParallelDims; see
+THIRD_PARTY_NOTICES.md.)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp")
+EP_MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep")
 
 
 @dataclass
@@ -38,6 +40,8 @@ class ParallelDims:
     world_size: int
     # Set by build_mesh(); None in a single process without a process group (nothing to shard over).
     world_mesh: "DeviceMesh | None" = field(default=None, init=False, repr=False, compare=False)
+    # Set by build_mesh() when ep > 1: the expert-parallel mesh (EP_MESH_DIMS); None otherwise.
+    ep_mesh: "DeviceMesh | None" = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = {
@@ -138,8 +142,8 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ meshes
     def build_mesh(self, device_type: str) -> "DeviceMesh":
-        """Create the world mesh; needs an initialized default process group. Called once per process, by
-        `distributed.utils.setup_distributed`."""
+        """Create the world mesh (and, when ep > 1, the EP mesh); needs an initialized default process group.
+        Called once per process, by `distributed.utils.setup_distributed`."""
         from torch.distributed.device_mesh import init_device_mesh
 
         if self.world_mesh is not None:
@@ -148,4 +152,10 @@ class ParallelDims:
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         self.world_mesh = mesh
+        if self.ep_enabled:
+            self.ep_mesh = init_device_mesh(
+                device_type,
+                (self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep),
+                mesh_dim_names=EP_MESH_DIMS,
+            )
         return mesh

@@ -54,12 +54,13 @@ def ulysses_attention(
     *,
     scale: float,
     window: Optional[int],
-    document_ids: Optional[torch.Tensor],
+    metadata,
     record_max_logits: bool,
     group: dist.ProcessGroup,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run the attention `kernel` (attention_backends signature) head-sharded on the full sequence.
-    q/k/v: local [B, S/cp, ...] shards (contiguous layout); document_ids: FULL-sequence [B, S] (or None).
+    q/k/v: local [B, S/cp, ...] shards (contiguous layout); metadata: the AttentionMetadata of the FULL
+    sequence (document ids [B, S] or None, block masks for length S), handed to the kernel as is.
     max_logits: full [Hq] vector, exact for this rank's heads and -inf elsewhere (a MAX all-reduce over
     the cp ranks, or the world, assembles it)."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
@@ -72,7 +73,7 @@ def ulysses_attention(
         sequence_to_heads(v_BSKE, group),
         scale=scale,
         window=window,
-        document_ids=document_ids,
+        metadata=metadata,
         record_max_logits=record_max_logits,
     )
     max_logits = None

@@ -190,6 +190,9 @@ class MoE(nn.Module):
             if args.num_shared_experts > 0
             else None
         )
+        # Set by context parallelism (distributed/context_parallel.py) when each row is one shard of a longer
+        # sequence: `.degree` shards per sequence and `.sum(x)` over them, for the sequence-wise balance loss.
+        self.sequence_shards = None
 
     def init_weights(self, init_std: float, buffer_device: Optional[torch.device] = None) -> None:
         self.router.init_weights(init_std)
@@ -228,24 +231,36 @@ class MoE(nn.Module):
         balance = None
         if self.aux_loss_coef > 0:
             balance = self.aux_loss_coef * sequence_balance_loss(
-                scores_TE.view(B, S, -1), expert_ids_TK.view(B, S, -1), self.num_experts, self.top_k
+                scores_TE.view(B, S, -1),
+                expert_ids_TK.view(B, S, -1),
+                self.num_experts,
+                self.top_k,
+                self.sequence_shards,
             )
         stats = RouterStats(tokens_per_expert.detach().float(), balance)
         return out.view(B, S, H), stats
 
 
 def sequence_balance_loss(
-    scores_BSE: torch.Tensor, expert_ids_BSK: torch.Tensor, num_experts: int, top_k: int
+    scores_BSE: torch.Tensor, expert_ids_BSK: torch.Tensor, num_experts: int, top_k: int, sequence_shards=None
 ) -> torch.Tensor:
     """DeepSeek-V3 sequence-wise balance loss (without its alpha), averaged over the B rows:
-    sum_i f_i P_i with f_i = E / (K S) * #{t: i in TopK(t)} (no grad) and P_i = mean_t s_ti / sum_j s_tj."""
+    sum_i f_i P_i with f_i = E / (K S) * #{t: i in TopK(t)} (no grad) and P_i = mean_t s_ti / sum_j s_tj.
+
+    With `sequence_shards` (context parallelism: each row is one of `degree` shards of a sequence of length
+    S = degree x local length), f is computed from the counts summed over the shards (the whole sequence's
+    frequencies) and P is this shard's part of the sequence mean (local mean / degree): the loss is then this
+    shard's part of the sequence's loss, and the SUM over the shards (the trainer's world sum) is exactly the
+    single-sequence value, with the exact gradient (f carries none)."""
     B, S, _ = scores_BSE.shape
     counts = torch.zeros(B, num_experts, device=scores_BSE.device, dtype=torch.float32)
     counts.scatter_add_(
         1, expert_ids_BSK.reshape(B, -1), torch.ones(B, S * top_k, device=scores_BSE.device, dtype=torch.float32)
     )
-    f = counts * (num_experts / (top_k * S))
     p = (scores_BSE / scores_BSE.sum(dim=-1, keepdim=True)).mean(dim=1)
+    if sequence_shards is not None:
+        counts, S, p = sequence_shards.sum(counts), S * sequence_shards.degree, p / sequence_shards.degree
+    f = counts * (num_experts / (top_k * S))
     return (f.detach() * p).sum(dim=-1).mean()
 
 

@@ -178,18 +178,25 @@ class Motif3Model(nn.Module):
         document_ids: Optional[torch.Tensor] = None,
         mtp_input_ids: Optional[list] = None,
         return_hidden: bool = False,
+        attention_document_ids: Optional[torch.Tensor] = None,
     ) -> Motif3Output:
         """input_ids / position_ids / document_ids: [B, S]; `mtp_input_ids`: per MTP module k the ids it embeds,
         [B, S] each (the trainer's prepared batch carries them, sliced like every other [B, S] tensor;
         default: `mtp.mtp_inputs(input_ids)`). The attention metadata (document mask data) is built here,
-        once per forward, and handed to every layer."""
+        once per forward, and handed to every layer.
+
+        Context parallelism: the [B, S] inputs are this rank's shard of longer sequences and
+        `attention_document_ids` [B, S_full] are the document ids of the WHOLE sequences, which the attention
+        metadata is built from (the context-parallel kernels attend across shards); default: `document_ids`."""
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         if mtp_input_ids is None:
             mtp_input_ids = mtp_inputs(input_ids, len(self.mtp_layers))
+        attention_docs = document_ids if attention_document_ids is None else attention_document_ids
+        attention_len = S if attention_document_ids is None else attention_document_ids.shape[1]
         metadata = build_attention_metadata(
-            self.attention_backend, document_ids, self.attention_windows, B, S, input_ids.device
+            self.attention_backend, attention_docs, self.attention_windows, B, attention_len, input_ids.device
         )
         embedded = self.embed_tokens(input_ids)
         x = embedded

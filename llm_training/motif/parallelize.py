@@ -2,18 +2,22 @@
 goes where and in which order; each wrapper is a composable `apply_*` function of `llm_training.distributed`.
 
 Order (fixed; each step wraps what the previous ones produced, so it cannot be reordered):
-    1. expert parallel            on each MoE's `experts`: shards them over the EP mesh and dispatches tokens.
-                                  Not built yet: config validation rejects expert_parallel_degree > 1.
-    2. context parallel           on each attention kernel: Ulysses / ring over the CP mesh.
-                                  Not built yet: config validation rejects context_parallel_degree > 1.
+    1. expert parallel            distributed.expert_parallel.apply_expert_parallel (ep > 1): each MoE's
+                                  `experts` sharded over the "ep" dim of ParallelDims.ep_mesh, tokens dispatched
+                                  with [parallelism] expert_parallel_dispatcher
+    2. context parallel           distributed.context_parallel.apply_context_parallel (cp > 1): every attention
+                                  kernel wrapped (Ulysses / ring / halo per the plan) over the "cp" mesh dim's
+                                  group; every MoE's balance loss summed over the sequence shards
     3. activation checkpointing   distributed.activation_checkpoint.apply_ac (per block)
     4. torch.compile              distributed.compile.apply_compile (per block, regional)
-    5. FSDP2                      distributed.fsdp.apply_fsdp (blocks, then the root), SUM gradient reduction
+    5. FSDP2                      distributed.fsdp.apply_fsdp (expert modules over expert_grad_mesh, blocks, then
+                                  the root), SUM gradient reduction
 
 Use (ARCHITECTURE.md §2 step 3; the model spec's `parallelize`):
     with torch.device("meta"): model = Motif3Model(args)
     parallel = parallelize_motif(model, parallel_dims, job_config, device)
     model.to_empty(device=device); model.init_weights(buffer_device=device)   # or load a checkpoint
+    ... per micro-batch under CP: batch.map(parallel.context_parallel.shard), full document ids to the model
     ... after the backward passes of a step: parallel.sync_replicated_grads()
 
 Choices:
@@ -22,7 +26,8 @@ Choices:
   * fp32 parameters (the spec's fp32 rule, `state_dict_adapter.is_fp32_key`: router gate, mHC, PolyNorm
     act_fn) are kept OUT of FSDP2: fp32 and replicated on every rank (~2% of motif3_seq's parameters), their
     gradients all-reduced (SUM) by `sync_replicated_grads`. FSDP2's MixedPrecisionPolicy would otherwise hand
-    the model bf16 copies of them.
+    the model bf16 copies of them. The EP-sharded ones (the experts' grouped PolyNorm act_fn) hold different
+    experts on the EP ranks: their grads are summed over `expert_grad_mesh` only (`sum_expert_grads`).
   * FSDP2 is applied when a process group exists and either there is more than one data-parallel rank
     (replicate or shard) or the device is CUDA (a 1-rank FSDP2 gives bf16 mixed precision with fp32 master
     weights). On CPU, FSDP2 runs in fp32 (gloo). Pure replication (dp_shard = 1) runs as HSDP over a 1-rank
@@ -32,7 +37,7 @@ Choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,7 +45,14 @@ from torch import nn
 
 from llm_training.distributed.activation_checkpoint import apply_ac
 from llm_training.distributed.compile import apply_compile
+from llm_training.distributed.context_parallel import (
+    ContextParallelSplit,
+    apply_context_parallel,
+    plan_context_parallel,
+)
+from llm_training.distributed.expert_parallel import apply_expert_parallel, expert_grad_mesh, sum_expert_grads
 from llm_training.distributed.fsdp import ReplicatedGradSync, apply_fsdp
+from llm_training.layers.moe import MoE
 from llm_training.motif.state_dict_adapter import is_fp32_key
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -48,11 +60,13 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 @dataclass
 class ParallelizedModel:
-    """What parallelize_motif did, and the step-time duty it leaves: syncing the replicated grads."""
+    """What parallelize_motif did, and the step-time duties it leaves: syncing the replicated grads, and under
+    context parallelism slicing every [B, S] batch tensor with `context_parallel.shard` (None without CP)."""
 
     model: nn.Module
     fsdp: bool
     sync_replicated_grads: Callable[[], None] = lambda: None
+    context_parallel: Optional[ContextParallelSplit] = None
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -65,8 +79,16 @@ def fp32_param_names(model: nn.Module) -> list[str]:
 
 
 def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch.device) -> ParallelizedModel:
-    """Apply (in the order of the module docstring) activation checkpointing, compile and FSDP2 to `model`
-    (typically still on meta). `parallel_dims` carries the mesh built at setup."""
+    """Apply (in the order of the module docstring) expert and context parallelism, activation checkpointing,
+    compile and FSDP2 to `model` (typically still on meta). `parallel_dims` carries the meshes built at setup."""
+    p = job_config.parallelism
+    expert_plan = None
+    if parallel_dims.ep_enabled:
+        expert_plan = apply_expert_parallel(model, parallel_dims.ep_mesh["ep"], p.expert_parallel_dispatcher)
+    cp_split = None
+    if parallel_dims.cp_enabled:
+        plan = plan_context_parallel(model.args, parallel_dims.cp, p.context_parallel_mode)
+        cp_split = apply_context_parallel(model, plan, parallel_dims.world_mesh["cp"].get_group())
     apply_ac(blocks(model), job_config.activation_checkpoint.mode)
     if job_config.compile.enable and "model" in job_config.compile.components:
         apply_compile(blocks(model))
@@ -96,6 +118,16 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
     else:
         mp = MixedPrecisionPolicy()  # fp32 on CPU / gloo
     replicated = fp32_param_names(model)
-    apply_fsdp(model, blocks(model), fsdp_mesh, mp, replicated)
-    sync = ReplicatedGradSync(model, replicated, group=dist.group.WORLD)
-    return ParallelizedModel(model, fsdp=True, sync_replicated_grads=sync)
+    expert_names = set(expert_plan.expert_param_names) if expert_plan else set()
+    expert_modules = [m.experts for m in model.modules() if isinstance(m, MoE)] if expert_plan else []
+    expert_mesh = expert_grad_mesh(parallel_dims) if expert_plan else None
+    apply_fsdp(model, blocks(model), fsdp_mesh, mp, replicated, expert_modules, expert_mesh)
+    replicated_sync = ReplicatedGradSync(model, [n for n in replicated if n not in expert_names], dist.group.WORLD)
+    expert_fp32 = [n for n in replicated if n in expert_names]
+
+    def sync_replicated_grads() -> None:
+        replicated_sync()
+        if expert_fp32:
+            sum_expert_grads(model, expert_fp32, expert_mesh)
+
+    return ParallelizedModel(model, fsdp=True, sync_replicated_grads=sync_replicated_grads, context_parallel=cp_split)

@@ -294,15 +294,30 @@ class Trainer:
         # Progress = optimizer steps taken so far / total (0 on the first step), from the LR scheduler's step
         # count: it is checkpointed, so a resumed run sees the same schedule as an uninterrupted one.
         self.hooks.begin_step(self.lr_scheduler.last_step / max(t.steps, 1))
-        batches = [prepare_batch(mb, self.num_mtp) for mb in micro_batches]
+        full_batches = [prepare_batch(mb, self.num_mtp) for mb in micro_batches]
+        # Context parallelism: the cp ranks of a data rank read the same batch and each keeps its shard of every
+        # [B, S] tensor; attention still needs the whole sequence's document ids.
+        cp = self.parallel.context_parallel
+        batches = full_batches if cp is None else [b.map(cp.shard) for b in full_batches]
+        # This rank's labelled tokens: the world SUM is the global batch's count (cp shards do not overlap).
         normalisers = sum(count_labelled_tokens(b.targets()) for b in batches)
         normalisers = all_reduce_(normalisers.to(self.device))
+        # The balance loss is a mean over micro-batches and data ranks; under CP each shard's loss is its part of
+        # the sequence's loss (layers/moe.py), so the SUM over cp ranks needs no further scale.
         balance_scale = 1.0 / (len(batches) * self.dp_size)
         parts = torch.zeros(4, dtype=torch.float64, device=self.device)  # total, ce, mtp, balance
         stats: dict[str, StepStat] = {}
-        for cpu_batch in batches:
+        for cpu_batch, full_batch in zip(batches, full_batches):
             b: PreparedBatch = cpu_batch.map(lambda x: x.to(self.device, non_blocking=True))
-            out = self.model(b.input_ids, b.position_ids, b.document_ids, b.mtp_input_ids, return_hidden=True)
+            attention_docs = None if cp is None else full_batch.document_ids.to(self.device, non_blocking=True)
+            out = self.model(
+                b.input_ids,
+                b.position_ids,
+                b.document_ids,
+                b.mtp_input_ids,
+                return_hidden=True,
+                attention_document_ids=attention_docs,
+            )
             loss = micro_batch_loss(
                 out,
                 self.spec.head_weight(self.model),

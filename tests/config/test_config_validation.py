@@ -43,13 +43,22 @@ def test_seq_len_not_divisible_by_context_parallel():
     assert "seq_len = 250" in str(e.value) and "context_parallel_degree = 4" in str(e.value)
 
 
-def test_ulysses_needs_heads_divisible_by_cp():
+def test_context_parallel_plan_checks_name_the_keys():
+    """Ulysses falls back to ring when the heads do not split (motif3_debug: 2 KV heads, 2 noise groups), and ring's
+    halo needs sliding_window <= seq_len / (2 cp): check_context_parallel's rules, as ConfigErrors."""
+    c = parse("--training.seq_len=128", "--parallelism.context_parallel_degree=4")  # -> ring: 128 / 8 = 16 = W
+    assert c.parallelism.context_parallel_degree == 4
+    with pytest.raises(ConfigError) as e:  # ring at cp 4: chunks of 64 / 8 = 8 < W = 16
+        parse("--training.seq_len=64", "--parallelism.context_parallel_degree=4")
+    assert "sliding_window" in str(e.value) and "context_parallel_degree = 4" in str(e.value)
+    parse("--training.seq_len=64", "--parallelism.context_parallel_degree=2")  # Ulysses: 2 KV heads, 2 groups
     with pytest.raises(ConfigError) as e:
-        parse("--parallelism.context_parallel_degree=4")  # motif3_debug has 10 heads
-    assert "ulysses" in str(e.value) and "10 heads" in str(e.value)
-    with pytest.raises(ConfigError) as e:  # a layout ring attention allows, rejected only as not built yet
-        parse("--parallelism.context_parallel_degree=4", "--parallelism.context_parallel_mode=ring")
-    assert "context parallelism (Ulysses / ring attention) is not built yet" in str(e.value)
+        parse(
+            "--training.seq_len=66",
+            "--parallelism.context_parallel_degree=2",
+            "--parallelism.context_parallel_mode=ring",
+        )
+    assert "seq_len = 66" in str(e.value) and "zigzag" in str(e.value)
 
 
 def test_ep_must_divide_experts():
@@ -86,8 +95,10 @@ def test_out_of_range_values_name_the_key(arg, key):
 def test_choice_sets_are_the_registries():
     """The config accepts exactly what is implemented: flavors, attention backends, quantization recipes and
     activation-checkpoint modes come from the registries that implement them."""
-    from llm_training.config.job_config import ActivationCheckpoint, Model, Quantize
+    from llm_training.config.job_config import ActivationCheckpoint, Model, Parallelism, Quantize
     from llm_training.distributed.activation_checkpoint import AC_MODES
+    from llm_training.distributed.context_parallel import CP_MODES
+    from llm_training.distributed.expert_parallel import DISPATCHERS
     from llm_training.layers.attention_backends import ATTENTION_BACKENDS
     from llm_training.motif import MODEL_FLAVORS
     from llm_training.quantization import CONVERTERS
@@ -99,6 +110,8 @@ def test_choice_sets_are_the_registries():
     assert choices(Model, "flavor") == tuple(MODEL_FLAVORS)
     assert choices(Quantize, "mode") == tuple(CONVERTERS)
     assert choices(ActivationCheckpoint, "mode") == AC_MODES
+    assert choices(Parallelism, "expert_parallel_dispatcher") == tuple(DISPATCHERS)
+    assert choices(Parallelism, "context_parallel_mode") == CP_MODES
     for bad in ("--model.attention_backend=fa4", "--quantize.mode=mxfp8"):
         with pytest.raises(ConfigError) as e:
             parse(bad)
@@ -106,13 +119,17 @@ def test_choice_sets_are_the_registries():
         assert f"{key.split('.')[1]}: {value!r}" in str(e.value) and "is not one of" in str(e.value)
 
 
-def test_unbuilt_parallelism_rejected_with_the_reason():
-    with pytest.raises(ConfigError) as e:
-        parse("--parallelism.expert_parallel_degree=2")
-    assert "expert parallelism is not built yet" in str(e.value) and "expert_parallel_degree = 1" in str(e.value)
-    with pytest.raises(ConfigError) as e:
-        parse("--parallelism.context_parallel_degree=2")
-    assert "context parallelism (Ulysses / ring attention) is not built yet" in str(e.value)
+def test_expert_parallel_dispatcher_availability():
+    assert parse("--parallelism.expert_parallel_degree=2").parallelism.expert_parallel_dispatcher == "all_to_all"
+    with pytest.raises(ConfigError) as e:  # rejected up front, whether or not DeepEP is installed
+        parse("--parallelism.expert_parallel_dispatcher=deepep", "--training.deterministic")
+    assert "deepep" in str(e.value) and "deterministic" in str(e.value)
+    try:
+        import deep_ep  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError) as e:
+            parse("--parallelism.expert_parallel_dispatcher=deepep")
+        assert "needs DeepEP, which cannot be imported" in str(e.value)
 
 
 def test_world_size_layout_errors():
@@ -143,7 +160,7 @@ SHIPPED = {  # config -> (world size, the feature it needs that is not built yet
     "debug_cpu.toml": (1, None),
     "h200_small.toml": (1, None),
     "example_c4_pretrain.toml": (32, r"\[quantize\] mode: 'mxfp8' .* FP8 / MXFP8 are not built yet"),
-    "example_c4_sft.toml": (32, "expert parallelism is not built yet"),
+    "example_c4_sft.toml": (32, None),
 }
 
 
@@ -164,21 +181,15 @@ def test_shipped_configs_validate_or_name_the_missing_feature(name):
 
 
 def test_example_layouts():
-    """The layouts the two production examples describe, checked with the not-built degrees set to 1 (the rest
-    of the layout and batch arithmetic validates at 32 ranks); the shipped files ask for EP 8 (and CP 8)."""
-    pre_argv = ("--job.config_file", str(TRAIN_CONFIGS_DIR / "example_c4_pretrain.toml"), "--quantize.mode=none")
-    with pytest.raises(ConfigError, match="expert parallelism is not built yet"):
-        parse(*pre_argv)
-    pre = parse(*pre_argv, "--parallelism.expert_parallel_degree=1")
+    """The layouts the two production examples describe at 32 ranks: pretrain FSDP 32 x EP 8 (validating once the
+    FP8 recipe, another issue, is set to none), SFT EP 8 x CP 8 at 256K tokens."""
+    pre = parse("--job.config_file", str(TRAIN_CONFIGS_DIR / "example_c4_pretrain.toml"), "--quantize.mode=none")
     d = validate_for_world_size(pre, 32)
-    assert (d.dp_shard, d.cp, pre.training.seq_len) == (32, 1, 4096)
+    assert (d.dp_shard, d.cp, d.ep, pre.training.seq_len) == (32, 1, 8, 4096)
     assert grad_accumulation_steps(pre, d.dp_size) * pre.training.local_batch_size * d.dp_size == 256
-    sft_argv = ("--job.config_file", str(TRAIN_CONFIGS_DIR / "example_c4_sft.toml"))
-    with pytest.raises(ConfigError, match="context parallelism"):
-        parse(*sft_argv, "--parallelism.expert_parallel_degree=1")
-    sft = parse(*sft_argv, "--parallelism.expert_parallel_degree=1", "--parallelism.context_parallel_degree=1")
+    sft = parse("--job.config_file", str(TRAIN_CONFIGS_DIR / "example_c4_sft.toml"))
     d = validate_for_world_size(sft, 32)
-    assert (d.dp_shard, d.cp, sft.training.seq_len) == (32, 1, 262144)
+    assert (d.dp_shard, d.cp, d.ep, sft.training.seq_len) == (4, 8, 8, 262144)
 
 
 def test_pretrain_and_sft_examples_comment_every_key():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llm_training.distributed.block_attention import flex_block_attention, merge_partials, reference_block_attention
-from llm_training.layers.attention_backends import reference_attention
+from llm_training.layers.attention_backends import AttentionMetadata, reference_attention
 
 
 def _qkv(B=2, S=24, Hq=10, Hkv=2, D=6, E=4, dtype=torch.float32):
@@ -23,7 +23,7 @@ def test_merged_key_blocks_equal_full_attention(window):
     docs = torch.tensor([[0] * 7 + [1] * 11 + [2] * 6, [0] * 24])
     queries = range(12, 24)
     expected, expected_max = reference_attention(
-        q, k, v, scale=0.4, window=window, document_ids=docs, record_max_logits=True
+        q, k, v, scale=0.4, window=window, metadata=AttentionMetadata(document_ids=docs), record_max_logits=True
     )
     acc, best = None, torch.full((10,), -math.inf)
     # documents: rows 0-6, 7-17, 18-23 in batch row 0, so queries 18-23 see nothing in the first key block

@@ -22,7 +22,7 @@ from llm_training.distributed.context_parallel import (
 from llm_training.distributed.block_attention import reference_block_attention
 from llm_training.distributed.cp_sharding import SequenceLayout, cp_shard
 from llm_training.distributed.ring_attention import ring_attention
-from llm_training.layers.attention_backends import reference_attention
+from llm_training.layers.attention_backends import AttentionMetadata, reference_attention
 from llm_training.motif import get_flavor
 
 DEBUG = get_flavor("motif3_debug")  # 10 q heads = 2 x [4 signal + 1 noise], 2 KV heads, window 16
@@ -75,13 +75,14 @@ def _attention_case(group, rank, cp, args, strategy, window, packed, dtype=torch
     scale = D**-0.5
 
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_max = reference_attention(*full, scale=scale, window=window, document_ids=docs, record_max_logits=True)
+    metadata = AttentionMetadata(document_ids=docs)  # the full sequence's, on every cp rank
+    ref_out, ref_max = reference_attention(*full, scale=scale, window=window, metadata=metadata, record_max_logits=True)
     (ref_out * weight).sum().backward()
 
     layout = SequenceLayout("contiguous" if strategy == "ulysses" else "zigzag", cp)
     local = [cp_shard(t, layout, rank).requires_grad_() for t in (q, k, v)]
     kernel = ContextParallelAttention(reference_attention, strategy, layout, group)
-    out, max_logits = kernel(*local, scale=scale, window=window, document_ids=docs, record_max_logits=True)
+    out, max_logits = kernel(*local, scale=scale, window=window, metadata=metadata, record_max_logits=True)
     (out * cp_shard(weight, layout, rank)).sum().backward()
 
     case = f"cp={cp} heads={Hq}/{Hkv} {strategy} window={window} packed={packed} {dtype} rank={rank}"
@@ -118,7 +119,8 @@ class _TwoLayers(torch.nn.Module):
                 m.wq_b_gate.weight.normal_(0, 0.3)
 
     def forward(self, x, positions, docs):
-        return self.sliding(self.full(x, positions, docs), positions, docs)
+        metadata = AttentionMetadata(document_ids=docs)
+        return self.sliding(self.full(x, positions, metadata), positions, metadata)
 
 
 def _layer_case(group, rank, cp, mode):
@@ -148,7 +150,7 @@ def _layer_case(group, rank, cp, mode):
 
 def _model_case(group, rank, cp, mode):
     """The motif3_debug trunk (mHC, dense + MoE, full + sliding layers) on cp_shard-ed input_ids and
-    position_ids with the full document_ids equals the single-process trunk; summed parameter gradients
+    position_ids, with the full document_ids for attention, equals the single-process trunk; summed parameter gradients
     too. (MTP is left out: today's forward shifts input_ids itself, which needs the whole sequence.)"""
     from llm_training.motif.model import Motif3Model
 
@@ -171,7 +173,13 @@ def _model_case(group, rank, cp, mode):
     apply_context_parallel(model, plan, group)
     layout = plan.layout
     local_ids, local_positions = cp_shard(ids, layout, rank), cp_shard(positions, layout, rank)
-    hidden = model(local_ids, position_ids=local_positions, document_ids=docs, return_hidden=True).hidden
+    hidden = model(
+        local_ids,
+        position_ids=local_positions,
+        document_ids=cp_shard(docs, layout, rank),
+        return_hidden=True,
+        attention_document_ids=docs,
+    ).hidden
     (hidden**2).sum().backward()
     case = f"model cp={cp} mode={mode} rank={rank}"
     torch.testing.assert_close(hidden, cp_shard(ref_hidden, layout, rank), atol=1e-4, rtol=RTOL, msg=case)
@@ -183,6 +191,39 @@ def _model_case(group, rank, cp, mode):
         torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-3, rtol=1e-3, msg=f"{name} {case}")
         checked += 1
     assert checked > 50, checked
+
+
+def _moe_balance_loss_case(group, rank, cp, mode):
+    """The sequence-wise balance loss of an MoE on sequence shards (apply_context_parallel installs the cp-group
+    sum): the shards' losses add up to the single-sequence loss, and the router gradient summed over the cp
+    ranks equals the single-process one (f from the whole sequence's counts, P split over the shards)."""
+    from llm_training.layers.moe import MoE
+
+    args = DEBUG.replace(router_aux_loss_coef=0.01)
+    B, S = 2, 32 * cp
+    x = torch.randn(B, S, args.hidden_size, generator=torch.Generator().manual_seed(9))
+
+    def build():
+        torch.manual_seed(13)
+        moe = MoE(args)
+        moe.init_weights(0.02)
+        return moe
+
+    reference = build()
+    _, ref_stats = reference(x)
+    ref_stats.balance_loss.backward()
+    moe = build()
+    plan = plan_context_parallel(DEBUG, cp, mode)
+    split = apply_context_parallel(moe, plan, group)
+    _, stats = moe(split.shard(x))
+    stats.balance_loss.backward()
+    total = stats.balance_loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    case = f"balance loss cp={cp} mode={mode} rank={rank}"
+    torch.testing.assert_close(total, ref_stats.balance_loss.detach(), atol=1e-7, rtol=1e-5, msg=case)
+    grad = moe.router.gate.weight.grad.clone()
+    dist.all_reduce(grad, group=group)
+    torch.testing.assert_close(grad, reference.router.gate.weight.grad, atol=1e-7, rtol=1e-4, msg=case)
 
 
 def _balance_case(group, rank, cp):
@@ -221,6 +262,8 @@ def _worker(rank, cp, port, cases):
                 _layer_case(dist.group.WORLD, rank, cp, case[1])
             elif case[0] == "model":
                 _model_case(dist.group.WORLD, rank, cp, case[1])
+            elif case[0] == "moe_balance_loss":
+                _moe_balance_loss_case(dist.group.WORLD, rank, cp, case[1])
             elif case[0] == "balance":
                 _balance_case(dist.group.WORLD, rank, cp)
             else:
@@ -245,7 +288,7 @@ def test_two_ranks_equal_the_full_sequence(free_port):
     bf16 = [(DEBUG, strategy, window, True, torch.bfloat16) for strategy, window in (("ring", None), ("halo", 16))]
     cases = _cases(DEBUG, DEBUG.sliding_window) + bf16 + [("layers", "ulysses"), ("layers", "ring"), ("balance",)]
     cases += [(WIDE, "ulysses", None, True), (WIDE, "ulysses", 16, True)]  # 2 KV heads (2 groups) per rank
-    cases += [("model", "ulysses"), ("model", "ring")]
+    cases += [("model", "ulysses"), ("model", "ring"), ("moe_balance_loss", "ulysses"), ("moe_balance_loss", "ring")]
     mp.spawn(_worker, args=(2, free_port, cases), nprocs=2, join=True)
 
 

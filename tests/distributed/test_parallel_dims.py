@@ -81,7 +81,9 @@ def _worker(rank: int, world_size: int, port: int, results):
             t = torch.tensor([float(rank)])
             dist.all_reduce(t, group=mesh["dp"].get_group())
             hsdp_shape = tuple(mesh["dp_replicate", "dp_shard_cp"].mesh.shape)  # the 2-D mesh HSDP uses
-            out.append((sizes, local, t.item(), hsdp_shape))
+            # the EP mesh exists only with ep > 1; its "ep" ranks are the ones ep_rank() numbers
+            ep = None if d.ep_mesh is None else (d.ep_mesh.mesh_dim_names, d.ep_mesh["ep"].get_local_rank())
+            out.append((sizes, local, t.item(), hsdp_shape, ep))
         results[rank] = out
     finally:
         dist.destroy_process_group()
@@ -93,7 +95,7 @@ def test_meshes_on_two_gloo_ranks(free_port):
     results = manager.dict()
     mp.spawn(_worker, args=(world_size, free_port, results), nprocs=world_size, join=True)
     for rank in range(world_size):
-        for layout, (sizes, local, dp_sum, hsdp_shape) in zip(LAYOUTS, results[rank]):
+        for layout, (sizes, local, dp_sum, hsdp_shape, ep) in zip(LAYOUTS, results[rank]):
             d = ParallelDims(world_size=world_size, **layout)
             assert sizes == {
                 "dp_replicate": d.dp_replicate,
@@ -106,3 +108,7 @@ def test_meshes_on_two_gloo_ranks(free_port):
             expected_sum = sum(r for r in range(world_size) if d.coords(r)[2] == d.coords(rank)[2])
             assert dp_sum == expected_sum
             assert hsdp_shape == (d.dp_replicate, d.dp_shard * d.cp)
+            if d.ep == 1:
+                assert ep is None
+            else:
+                assert ep == (("dp_replicate", "dp_shard_mod_ep", "ep"), d.ep_rank(rank))

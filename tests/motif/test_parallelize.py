@@ -26,6 +26,7 @@ def _config(ac_mode="none"):
         activation_checkpoint=ns(mode=ac_mode),
         compile=ns(enable=False, components=[]),
         training=ns(mixed_precision_param="float32", mixed_precision_reduce="float32"),
+        parallelism=ns(expert_parallel_dispatcher="all_to_all", context_parallel_mode="ulysses"),
     )
 
 
