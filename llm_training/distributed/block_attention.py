@@ -12,7 +12,9 @@ backpropagates through both (see ring_attention.py).
 
 Kernels: `reference_block_attention` (explicit mask, fp32 math, any device: the tests' ground truth) and
 `flex_block_attention` (FlexAttention with `return_aux` lse / max_scores, CUDA; imported lazily; the CPU
-tests check its forward only: torch has no CPU flex backward, and its CUDA run is not verified here). `block_attention_kernel(device)` picks flex on CUDA, the reference elsewhere.
+tests check its forward only: torch has no CPU flex backward, and its CUDA run is not verified here).
+`block_attention_kernel(device, mask_cache)` picks flex on CUDA, the reference elsewhere. Flex masks come from
+`attention_backends.flex_block_mask` and live in the forward's AttentionMetadata, never in a module global.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from llm_training.layers.attention_backends import visibility_mask
+from llm_training.layers.attention_backends import flex_block_mask, visibility_mask
 
 BlockKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
 
@@ -57,52 +59,20 @@ def _flex_attention(device_type: str):
     return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
 
 
-# Block masks for the current document_ids tensor, keyed by the block's positions and window: the layers of
-# one forward (and the backward's recompute) share them; a new document_ids tensor drops the old ones.
-_flex_mask_cache: dict = {"document_ids": None, "masks": {}}
-
-
-@torch.compiler.disable  # mask building and the Python cache stay eager inside a compiled block
-def _flex_block_mask(queries: range, keys: range, window, document_ids, batch: int, device: torch.device):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    if _flex_mask_cache["document_ids"] is not document_ids:
-        _flex_mask_cache["document_ids"], _flex_mask_cache["masks"] = document_ids, {}
-    cache_key = (queries.start, queries.stop, keys.start, keys.stop, window, batch, device)
-    if cache_key in _flex_mask_cache["masks"]:
-        return _flex_mask_cache["masks"][cache_key]
-    q0, k0 = queries.start, keys.start
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        qi, kj = q_idx + q0, kv_idx + k0
-        visible = kj <= qi
-        if window is not None:
-            visible = visible & (kj >= qi - window)
-        if document_ids is not None:
-            visible = visible & (document_ids[b, qi] == document_ids[b, kj])
-        return visible
-
-    # Large CUDA blocks: build the mask with torch.compile instead of materialising [B, Q, K] booleans.
-    compile_mask = torch.device(device).type == "cuda" and len(queries) * len(keys) >= 1 << 30
-    block_mask = create_block_mask(
-        mask_mod,
-        batch if document_ids is not None else None,
-        None,
-        len(queries),
-        len(keys),
-        device=device,
-        _compile=compile_mask,
-    )
-    _flex_mask_cache["masks"][cache_key] = block_mask
-    return block_mask
-
-
-def flex_block_attention(q_BQHD, k_BKKD, v_BKKE, *, scale, queries, keys, window, document_ids, record_max_logits):
+def flex_block_attention(
+    q_BQHD, k_BKKD, v_BKKE, *, scale, queries, keys, window, document_ids, record_max_logits, mask_cache=None
+):
     """FlexAttention on one block pair (CUDA; on CPU torch supports neither its backward nor max_scores).
-    `max_scores` (the scaled pre-softmax max per query row) gives max_logits."""
+    `max_scores` (the scaled pre-softmax max per query row) gives max_logits. `mask_cache`: the forward's
+    `AttentionMetadata.block_pair_masks`, where the pair's mask is built once and shared (None: no sharing)."""
     from torch.nn.attention.flex_attention import AuxRequest
 
-    block_mask = _flex_block_mask(queries, keys, window, document_ids, q_BQHD.shape[0], q_BQHD.device)
+    key = (queries.start, queries.stop, keys.start, keys.stop, window)
+    block_mask = None if mask_cache is None else mask_cache.get(key)
+    if block_mask is None:
+        block_mask = flex_block_mask(document_ids, window, q_BQHD.shape[0], queries, keys, q_BQHD.device)
+        if mask_cache is not None:
+            mask_cache[key] = block_mask
     q, k, v = (t.transpose(1, 2) for t in (q_BQHD, k_BKKD, v_BKKE))
     out, aux = _flex_attention(q.device.type)(
         q,
@@ -117,9 +87,12 @@ def flex_block_attention(q_BQHD, k_BKKD, v_BKKE, *, scale, queries, keys, window
     return out.transpose(1, 2).float(), aux.lse.float(), max_logits
 
 
-def block_attention_kernel(device: torch.device) -> BlockKernel:
-    """FlexAttention on CUDA, the fp32 reference elsewhere (CPU tests)."""
-    return flex_block_attention if torch.device(device).type == "cuda" else reference_block_attention
+def block_attention_kernel(device: torch.device, mask_cache: Optional[dict] = None) -> BlockKernel:
+    """FlexAttention on CUDA (its block-pair masks kept in `mask_cache`, the forward's
+    `AttentionMetadata.block_pair_masks`), the fp32 reference elsewhere (CPU tests)."""
+    if torch.device(device).type == "cuda":
+        return functools.partial(flex_block_attention, mask_cache=mask_cache)
+    return reference_block_attention
 
 
 @torch.no_grad()

@@ -137,7 +137,7 @@ class ContextParallelAttention:
             record_max_logits=record_max_logits,
             layout=self.layout,
             group=self.group,
-            block_kernel=block_attention_kernel(q_BSHD.device),
+            block_kernel=block_attention_kernel(q_BSHD.device, metadata.block_pair_masks),
         )
         if self.strategy == "ring":
             if window is not None:

@@ -40,6 +40,9 @@ class AttentionMetadata:
 
     document_ids: Optional[torch.Tensor] = None
     flex_block_masks: dict = field(default_factory=dict)
+    # context parallel (distributed/block_attention.py): FlexAttention masks of (query block, key block) pairs,
+    # built on first use within this forward and shared by its layers and the backward's recompute
+    block_pair_masks: dict = field(default_factory=dict)
 
     def flex_block_mask(self, window: Optional[int]):
         try:
@@ -166,22 +169,36 @@ _compiled_flex = None
 
 
 @torch.compiler.disable  # mask building stays eager, outside any compiled block
-def flex_block_mask(document_ids: Optional[torch.Tensor], window: Optional[int], B: int, S: int, device):
-    """The FlexAttention BlockMask of causal + sliding-window (`window`) + document (`document_ids`) attention."""
+def flex_block_mask(
+    document_ids: Optional[torch.Tensor], window: Optional[int], batch: int, queries: range, keys: range, device
+):
+    """The FlexAttention BlockMask of causal + sliding-window (`window`) + document (`document_ids`, [B, S] over
+    the whole sequence) attention for the query rows at absolute positions `queries` against the keys at
+    `keys` (both step-1 ranges: the whole sequence for a layer's own attention, one block pair for
+    context-parallel ring / halo attention)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    q0, k0 = queries.start, keys.start
+
     def mask_mod(b, h, q_idx, kv_idx):
-        visible = kv_idx <= q_idx
+        qi, kj = q_idx + q0, kv_idx + k0
+        visible = kj <= qi
         if window is not None:
-            visible = visible & (kv_idx >= q_idx - window)
+            visible = visible & (kj >= qi - window)
         if document_ids is not None:
-            visible = visible & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+            visible = visible & (document_ids[b, qi] == document_ids[b, kj])
         return visible
 
-    # Long CUDA sequences: build the mask with torch.compile instead of materialising [B, S, S] booleans.
-    compile_mask = torch.device(device).type == "cuda" and S >= 32768
+    # Large CUDA masks: build them with torch.compile instead of materialising [B, Q, K] booleans.
+    compile_mask = torch.device(device).type == "cuda" and len(queries) * len(keys) >= 1 << 30
     return create_block_mask(
-        mask_mod, B if document_ids is not None else None, None, S, S, device=device, _compile=compile_mask
+        mask_mod,
+        batch if document_ids is not None else None,
+        None,
+        len(queries),
+        len(keys),
+        device=device,
+        _compile=compile_mask,
     )
 
 
@@ -260,7 +277,7 @@ def build_attention_metadata(
     uses_flex = get_attention_backend(backend).uses_flex
     has_documents = document_ids_BS is not None
     masks = {
-        window: flex_block_mask(document_ids_BS, window, batch_size, seq_len, device)
+        window: flex_block_mask(document_ids_BS, window, batch_size, range(seq_len), range(seq_len), device)
         for window in windows
         if uses_flex(window, has_documents, torch.device(device))
     }
