@@ -12,9 +12,9 @@ all-reduce, ring attention's log-sum-exp merge, Ulysses' head split, the micro-b
 Newton-Schulz step carries those last-bit differences into the weights of the next step. EP 2 x CP 2 also runs
 selective activation checkpointing (recomputation must not change the values; the all-to-alls are saved).
 
-Checkpoints: the FSDP 2 x EP 2 run saves a DCP checkpoint after step 5 and exports it to HF; one process loads
-that checkpoint and its step 6 loss equals the 4-rank run's (same tolerance), and its HF export is bitwise the
-4-rank export (the same weights, gathered from the expert and FSDP shards).
+Checkpoints: the FSDP 2 x EP 2 and the EP 2 x CP 2 runs save a DCP checkpoint after step 5 and export it to HF; one
+process loads that checkpoint and its step 6 loss equals the 4-rank run's (same tolerance), and its HF export is
+bitwise the 4-rank export (the same weights, gathered from the expert and FSDP shards).
 """
 
 from __future__ import annotations
@@ -154,19 +154,21 @@ def _assert_same_losses(result, reference, layout):
     assert result["qk_clip_events"] == reference["qk_clip_events"] > 0, (layout, result, reference)
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "ep2", "ulysses_cp2", "ring_cp2", "ep2_cp2"])
+@pytest.mark.parametrize("layout", ["fsdp2", "ep2", "ulysses_cp2", "ring_cp2"])
 def test_layout_losses_equal_one_process(layout, single_process, tmp_path, free_port):
     _assert_same_losses(run_layout(layout, tmp_path, free_port), single_process, layout)
 
 
-def test_fsdp2_ep2_losses_checkpoint_and_hf_export_reshard_to_one_process(single_process, tmp_path, free_port):
+@pytest.mark.parametrize("layout", ["fsdp2_ep2", "ep2_cp2"])
+def test_losses_checkpoint_and_hf_export_reshard_to_one_process(layout, single_process, tmp_path, free_port):
+    """A 4-rank layout (expert shards x FSDP shards, or x context-parallel ranks) trains like one process, and its
+    step-5 DCP checkpoint resumes in one process with the same step-6 loss and the same exported weights."""
     from safetensors.torch import load_file
 
-    hf_sharded, hf_single = tmp_path / "hf_fsdp2_ep2", tmp_path / "hf_single"
-    sharded = run_layout("fsdp2_ep2", tmp_path, free_port, save_step=SAVE_STEP, hf_dir=str(hf_sharded))
-    _assert_same_losses(sharded, single_process, "fsdp2_ep2")
-    # one process resumes the 4-rank checkpoint of step 5: the same step-6 loss, the same exported weights
-    resumed = run_layout("single", tmp_path, None, resume_from=tmp_path / "runs_fsdp2_ep2", hf_dir=str(hf_single))
+    hf_sharded, hf_single = tmp_path / f"hf_{layout}", tmp_path / "hf_single"
+    sharded = run_layout(layout, tmp_path, free_port, save_step=SAVE_STEP, hf_dir=str(hf_sharded))
+    _assert_same_losses(sharded, single_process, layout)
+    resumed = run_layout("single", tmp_path, None, resume_from=tmp_path / f"runs_{layout}", hf_dir=str(hf_single))
     assert list(resumed["losses"]) == [SAVE_STEP + 1]
     assert resumed["losses"][SAVE_STEP + 1] == pytest.approx(sharded["losses"][SAVE_STEP + 1], rel=RTOL)
     files = sorted(p.name for p in hf_sharded.glob("*.safetensors"))
