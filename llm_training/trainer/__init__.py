@@ -1,6 +1,6 @@
 """Training: the loop (`train` / `Trainer`), losses, checkpointing (DCP), gradient clipping and metrics.
 
-`llm_training.train` calls `train(job_config, parallel_dims) -> TrainResult`.
+`llm_training.train` calls `train(job_config, parallel_dims, device) -> TrainResult` after `setup_distributed`.
 """
 
 from llm_training.trainer.trainer import NonFiniteLossError, Trainer, TrainResult, train
