@@ -1,7 +1,8 @@
 """mHC: manifold-constrained hyper-connections around one sub-layer (model-spec §4.2 with the §0.1
 corrections).
 
-The residual is n streams, stored as one tensor X [B, S, n, H]. Per token:
+The residual is n streams, stored as one tensor X [B, S, n, H] in the compute dtype (bf16 under bf16
+training, as model-spec §4.2 "Numerics" says: only the math is fp32). Per token:
     x~     = RMSNorm_gamma(vec(X))                     (over all n*H values, eps = mhc_eps), fp32
     p, q, R = proj_pre(x~), proj_post(x~), proj_res(x~)   (bias-free; R viewed [n, n])
     h_pre  = sigmoid(clamp(alpha_pre * p + bias_pre, +-10))
@@ -9,18 +10,34 @@ The residual is n streams, stored as one tensor X [B, S, n, H]. Per token:
     H_res  = Sinkhorn(alpha_res * R + bias_res)        (exp of the input clamped to +-20; rows then columns)
     sub-layer input = norm(sum_i h_pre[i] X[i])        (the block's own input/post-attention RMSNorm)
     X'[i]  = sum_j H_res[i, j] X[j] + h_post[i] * y    (fp32, cast back to X's dtype)
+
+How it runs (the mHC paper's remedy, arXiv 2512.24880 §4.3: fused pre/post work, recompute in backward):
+  * The norm is folded into the GEMM: x~ W^T = rstd * (vec(X) (W * gamma)^T), so the three projections are one
+    [nH -> 2n + n^2] GEMM on the bf16 stream itself (`projection.matmul_fp32`: tensor cores, fp32
+    accumulation) and the norm is a per-token fp32 sum of squares; no fp32 copy of the n-wide stream exists.
+    (Same math as the formula above; fp32 rounding differs in the last bits.)
+  * `_StreamNormProjection`, `_CollapseStreams`, `_MixStreams` are autograd Functions that save only the bf16
+    stream (one storage, shared), the sub-layer output y and per-token coefficients; every fp32 value over
+    the stream lives inside one op (under torch.compile: in registers of one fused kernel).
+  * The coefficient math on the [2n + n^2] projections (sigmoids, 20 Sinkhorn steps) is checkpointed: it
+    keeps only its fp32 input, not the Sinkhorn iterates.
+  * Recompute of the mid-block stream: the stream after the attention update, X1 = mix(X0, H_res, h_post, y),
+    is NOT saved: the FFN sub-layer's Functions get its `StreamSource` (X0 and the attention update's
+    coefficients and output, which that update keeps anyway) and rebuild X1 in their backward. A block then
+    keeps one n-wide stream (its input) instead of two: n*H*2 bytes per token per layer less.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from llm_training.layers.norms import RMSNorm
-from llm_training.layers.projection import Fp32Projection
+from llm_training.layers.projection import Fp32Projection, matmul_fp32
 
 _SIGMOID_ARG_CLAMP = 10.0
 _SINKHORN_EXP_CLAMP = 20.0
@@ -28,12 +45,26 @@ _SINKHORN_FLOOR = 1e-8
 
 
 def sinkhorn(logits_NN: torch.Tensor, iters: int) -> torch.Tensor:
-    """exp(clamp(Z, +-20)) then `iters` x {divide rows by max(rowsum, 1e-8); same for columns}, fp32."""
-    m = torch.exp(logits_NN.float().clamp(-_SINKHORN_EXP_CLAMP, _SINKHORN_EXP_CLAMP))
+    """exp(clamp(Z, +-20)) then `iters` x {divide rows by max(rowsum, 1e-8); same for columns}, fp32 (or
+    float64 for float64 input)."""
+    m = torch.exp(logits_NN.to(torch.promote_types(logits_NN.dtype, torch.float32)).clamp(-_SINKHORN_EXP_CLAMP, _SINKHORN_EXP_CLAMP))
     for _ in range(iters):
         m = m / m.sum(dim=-1, keepdim=True).clamp_min(_SINKHORN_FLOOR)
         m = m / m.sum(dim=-2, keepdim=True).clamp_min(_SINKHORN_FLOOR)
     return m
+
+
+class StreamSource(NamedTuple):
+    """How a stream tensor was made: X = mix(x, h_res, h_post, y). Functions handed one save these (which the
+    update that made X keeps anyway) instead of X and rebuild X in their backward."""
+
+    x: torch.Tensor
+    h_res: torch.Tensor
+    h_post: torch.Tensor
+    y: torch.Tensor
+
+
+_NO_SOURCE = (None, None, None, None)
 
 
 class MHC(nn.Module):
@@ -52,7 +83,7 @@ class MHC(nn.Module):
         n, nh = n_streams, n_streams * hidden_size
         self.n, self.sinkhorn_iters, self.identity_init = n, sinkhorn_iters, identity_init
         self.h_post_alpha = h_post_alpha  # c_post = 1 + h_post_alpha; the trainer schedules it
-        self.norm = RMSNorm(nh, eps)
+        self.norm = RMSNorm(nh, eps)  # its gain is folded into the projection GEMM (module docstring)
         self.proj_pre = Fp32Projection(nh, n)
         self.proj_post = Fp32Projection(nh, n)
         self.proj_res = Fp32Projection(nh, n * n)
@@ -84,21 +115,24 @@ class MHC(nn.Module):
                 self.bias_post.zero_()
                 self.bias_res.normal_(0.0, 0.1)
 
-    def coefficients(self, x_BSnH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """h_pre [B, S, n], h_post [B, S, n], H_res [B, S, n, n], all fp32.
+    def coefficients(
+        self, x_BSnH: torch.Tensor, source: Optional[StreamSource] = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h_pre [B, S, n], h_post [B, S, n], H_res [B, S, n, n], all fp32. `source`: how x was made (then x is
+        not kept for the backward; module docstring)."""
+        pqr = self.projections(x_BSnH, source)
+        if torch.is_grad_enabled():  # keep only pqr, not the Sinkhorn iterates
+            return checkpoint(self._coefficients_from_projections, pqr, use_reentrant=False)
+        return self._coefficients_from_projections(pqr)
 
-        When autograd records, the computation is checkpointed (recomputed in backward): it is cheap
-        (an [nH -> 2n + n^2] projection and n x n Sinkhorn steps) but would otherwise keep fp32 copies of
-        the whole stream tensor and every Sinkhorn iterate alive (model-spec §4.2 "recompute")."""
-        if torch.is_grad_enabled():
-            return checkpoint(self._coefficients, x_BSnH, use_reentrant=False)
-        return self._coefficients(x_BSnH)
+    def projections(self, x_BSnH: torch.Tensor, source: Optional[StreamSource] = None) -> torch.Tensor:
+        """[p, q, vec(R)] = RMSNorm_gamma(vec(X)) [proj_pre; proj_post; proj_res]^T, fp32 [B, S, 2n + n^2]."""
+        weights = (self.proj_pre.weight, self.proj_post.weight, self.proj_res.weight)
+        return _StreamNormProjection.apply(x_BSnH, self.norm.weight, self.norm.eps, *weights, *(source or _NO_SOURCE))
 
-    def _coefficients(self, x_BSnH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        flat = self.norm(x_BSnH.flatten(-2).float())  # fp32 [B, S, nH]
-        p = self.proj_pre(flat)
-        q = self.proj_post(flat)
-        r = self.proj_res(flat).unflatten(-1, (self.n, self.n))
+    def _coefficients_from_projections(self, pqr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = self.n
+        p, q, r = pqr[..., :n], pqr[..., n : 2 * n], pqr[..., 2 * n :].unflatten(-1, (n, n))
         c = _SIGMOID_ARG_CLAMP
         h_pre = torch.sigmoid((self.alpha_pre * p + self.bias_pre).clamp(-c, c))
         h_post = (1.0 + self.h_post_alpha) * torch.sigmoid((self.alpha_post * q + self.bias_post).clamp(-c, c))
@@ -106,59 +140,174 @@ class MHC(nn.Module):
         return h_pre, h_post, h_res
 
     @staticmethod
-    def collapse(x_BSnH: torch.Tensor, h_pre_BSn: torch.Tensor) -> torch.Tensor:
+    def collapse(x_BSnH: torch.Tensor, h_pre_BSn: torch.Tensor, source: Optional[StreamSource] = None) -> torch.Tensor:
         """sum_i h_pre[i] X[i] in fp32, returned in X's dtype: [B, S, H]."""
-        return _CollapseStreams.apply(x_BSnH, h_pre_BSn)
+        return _CollapseStreams.apply(x_BSnH, h_pre_BSn, *(source or _NO_SOURCE))
 
     @staticmethod
     def update(
-        x_BSnH: torch.Tensor, h_res_BSnn: torch.Tensor, h_post_BSn: torch.Tensor, y_BSH: torch.Tensor
+        x_BSnH: torch.Tensor,
+        h_res_BSnn: torch.Tensor,
+        h_post_BSn: torch.Tensor,
+        y_BSH: torch.Tensor,
+        source: Optional[StreamSource] = None,
     ) -> torch.Tensor:
         """X'[i] = sum_j H_res[i, j] X[j] + h_post[i] y, fp32 inside, X's dtype out."""
-        return _MixStreams.apply(x_BSnH, h_res_BSnn, h_post_BSn, y_BSH)
+        return _MixStreams.apply(x_BSnH, h_res_BSnn, h_post_BSn, y_BSH, *(source or _NO_SOURCE))
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
+# ---------------------------------------------------------------------------------------------- math
+# Plain tensor expressions over the n streams (n is small): each term is one stream [.., H]; products of a
+# low-precision stream with an fp32 coefficient promote to fp32, so the fp32 values are one stream wide at a
+# time in eager mode and live in registers of one fused kernel under torch.compile.
+
+
+def _collapse(x_BSnH: torch.Tensor, h_BSn: torch.Tensor) -> torch.Tensor:
+    acc = h_BSn[..., 0, None] * x_BSnH[..., 0, :]
+    for i in range(1, x_BSnH.shape[-2]):
+        acc = acc + h_BSn[..., i, None] * x_BSnH[..., i, :]
+    return acc.to(x_BSnH.dtype)
+
+
+def _mix(
+    x_BSnH: torch.Tensor,
+    h_BSnn: torch.Tensor,
+    h_post_BSn: Optional[torch.Tensor] = None,
+    y_BSH: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """X'[i] = sum_j H[i, j] X[j] (+ h_post[i] y), fp32 inside, `out_dtype` (default X's dtype) out."""
+    n = x_BSnH.shape[-2]
+    rows = []
+    for i in range(n):
+        acc = h_post_BSn[..., i, None] * y_BSH if y_BSH is not None else 0.0
+        for j in range(n):
+            acc = acc + h_BSnn[..., i, j, None] * x_BSnH[..., j, :]
+        rows.append(acc.to(out_dtype or x_BSnH.dtype))
+    return torch.stack(rows, dim=-2)
+
+
+def _bmm_fp32(a_TnH: torch.Tensor, b_THm: torch.Tensor) -> torch.Tensor:
+    """Batched a @ b with fp32 accumulation and output. bf16 operands are exact: tensor cores on CUDA
+    (`torch.bmm(..., out_dtype=torch.float32)`); elsewhere exact math in promote(dtype, fp32)."""
+    if a_TnH.is_cuda and a_TnH.dtype == b_THm.dtype == torch.bfloat16:
+        return torch.bmm(a_TnH, b_THm, out_dtype=torch.float32)
+    ct = torch.promote_types(torch.promote_types(a_TnH.dtype, b_THm.dtype), torch.float32)
+    return torch.bmm(a_TnH.to(ct), b_THm.to(ct))
+
+
+def _rows(t: torch.Tensor, trailing: int) -> torch.Tensor:
+    """Flatten the leading [B, S] of t into one token dimension, keeping `trailing` dims."""
+    return t.reshape(-1, *t.shape[t.dim() - trailing :])
+
+
+def _save_stream(ctx, x: torch.Tensor, source: tuple, *others: Optional[torch.Tensor]) -> None:
+    ctx.from_source = source[0] is not None
+    ctx.save_for_backward(*(source if ctx.from_source else (x,)), *others)
+
+
+def _load_stream(ctx) -> tuple[torch.Tensor, tuple]:
+    saved = ctx.saved_tensors
+    if ctx.from_source:
+        return _mix(*saved[:4]), saved[4:]
+    return saved[0], saved[1:]
+
+
+def _folded_weight(gamma_D: torch.Tensor, weights: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W, W~ = W * gamma) with W = [proj_pre; proj_post; proj_res], fp32 (or wider) [2n + n^2, nH]."""
+    ct = torch.promote_types(gamma_D.dtype, torch.float32)
+    w_KD = torch.cat([w.to(ct) for w in weights], dim=0)
+    return w_KD, w_KD * gamma_D.to(ct)
+
+
+class _StreamNormProjection(torch.autograd.Function):
+    """pqr = rstd * (vec(X) W~^T), rstd = rsqrt(mean(vec(X)^2) + eps), W~ = [W_pre; W_post; W_res] * gamma.
+    Saves X (or its source), rstd [T] and pqr [T, K] (fp32, K = 2n + n^2); W~ is rebuilt in backward (so no
+    per-layer weight copy is kept either)."""
+
+    @staticmethod
+    def forward(ctx, x_BSnH, gamma_D, eps, w_pre, w_post, w_res, *source):
+        _, folded_KD = _folded_weight(gamma_D, (w_pre, w_post, w_res))
+        xf_TD = x_BSnH.reshape(-1, folded_KD.shape[1])
+        ct = torch.promote_types(x_BSnH.dtype, folded_KD.dtype)
+        # sum of squares accumulated in fp32 without an fp32 copy of the stream
+        sq_T = torch.linalg.vector_norm(xf_TD, dim=-1, dtype=ct).square()
+        rstd_T = torch.rsqrt(sq_T / xf_TD.shape[1] + eps)
+        pqr_TK = matmul_fp32(xf_TD, folded_KD.t(), out_dtype=ct) * rstd_T[:, None]
+        _save_stream(ctx, x_BSnH, source, gamma_D, w_pre, w_post, w_res, rstd_T, pqr_TK)
+        return pqr_TK.view(*x_BSnH.shape[:-2], folded_KD.shape[0])
+
+    @staticmethod
+    def backward(ctx, dpqr):
+        x_BSnH, (gamma_D, w_pre, w_post, w_res, rstd_T, pqr_TK) = _load_stream(ctx)
+        weights = (w_pre, w_post, w_res)
+        w_KD, folded_KD = _folded_weight(gamma_D, weights)
+        xf_TD = x_BSnH.reshape(-1, folded_KD.shape[1])
+        D = xf_TD.shape[1]
+        dpqr_TK = dpqr.reshape(pqr_TK.shape).to(pqr_TK.dtype)
+        draw_TK = dpqr_TK * rstd_T[:, None]  # d(vec(X) W~^T)
+        # d rstd = sum_k dpqr_k raw_k = sum_k dpqr_k pqr_k / rstd;  d(mean sq) = -rstd^3 / 2 * d rstd
+        dmean_T = -0.5 * rstd_T.square() * (dpqr_TK * pqr_TK).sum(-1)
+        need = ctx.needs_input_grad
+        dx = dgamma = None
+        dws = [None, None, None]
+        if need[0]:
+            # CUDA: the GEMM's output in X's dtype (fp32 accumulation, one rounding) plus the norm term in X's
+            # dtype, so no fp32 n-wide tensor exists; elsewhere all fp32, one rounding at the end.
+            gemm_dtype = x_BSnH.dtype if x_BSnH.is_cuda else torch.promote_types(x_BSnH.dtype, torch.float32)
+            gemm = matmul_fp32(draw_TK, folded_KD, out_dtype=gemm_dtype)
+            dx = gemm + xf_TD * (dmean_T * (2.0 / D))[:, None].to(gemm_dtype)
+            dx = dx.to(x_BSnH.dtype).view(x_BSnH.shape)
+        if need[1] or any(need[3:6]):
+            dfolded_KD = matmul_fp32(draw_TK.t(), xf_TD, out_dtype=folded_KD.dtype)
+            if need[1]:
+                dgamma = (dfolded_KD * w_KD).sum(0).to(gamma_D.dtype)
+            start = 0
+            for k, w in enumerate(weights):
+                if need[3 + k]:
+                    dws[k] = (dfolded_KD[start : start + w.shape[0]] * gamma_D.to(dfolded_KD.dtype)).to(w.dtype)
+                start += w.shape[0]
+        return dx, dgamma, None, *dws, None, None, None, None
 
 
 class _CollapseStreams(torch.autograd.Function):
-    """u = sum_i h[i] X[i] computed in fp32; saves X in its own dtype (no fp32 copy kept for backward)."""
+    """u = sum_i h[i] X[i] computed in fp32; saves X (or its source) in its own dtype and h."""
 
     @staticmethod
-    def forward(ctx, x_BSnH, h_BSn):
-        ctx.save_for_backward(x_BSnH, h_BSn)
-        ct = _compute_dtype(x_BSnH)
-        return torch.einsum("bsn,bsnh->bsh", h_BSn.to(ct), x_BSnH.to(ct)).to(x_BSnH.dtype)
+    def forward(ctx, x_BSnH, h_BSn, *source):
+        _save_stream(ctx, x_BSnH, source, h_BSn)
+        return _collapse(x_BSnH, h_BSn)
 
     @staticmethod
     def backward(ctx, g_BSH):
-        x, h = ctx.saved_tensors
-        ct = _compute_dtype(x)
-        g = g_BSH.to(ct)
-        dx = (h.to(ct).unsqueeze(-1) * g.unsqueeze(-2)).to(x.dtype) if ctx.needs_input_grad[0] else None
-        dh = torch.einsum("bsh,bsnh->bsn", g, x.to(ct)).to(h.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dh
+        x, (h,) = _load_stream(ctx)
+        dx = dh = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.stack([(h[..., i, None] * g_BSH).to(x.dtype) for i in range(h.shape[-1])], dim=-2)
+        if ctx.needs_input_grad[1]:
+            dh = _bmm_fp32(_rows(x, 2), _rows(g_BSH, 1).unsqueeze(-1)).view(h.shape).to(h.dtype)
+        return dx, dh, None, None, None, None
 
 
 class _MixStreams(torch.autograd.Function):
-    """X'[i] = sum_j H[i, j] X[j] + p[i] y computed in fp32; saves X and y in their own dtype."""
+    """X'[i] = sum_j H[i, j] X[j] + p[i] y computed in fp32; saves X (or its source) and y in their own dtype."""
 
     @staticmethod
-    def forward(ctx, x_BSnH, h_res_BSnn, h_post_BSn, y_BSH):
-        ctx.save_for_backward(x_BSnH, h_res_BSnn, h_post_BSn, y_BSH)
-        ct = _compute_dtype(x_BSnH)
-        mixed = torch.einsum("bsij,bsjh->bsih", h_res_BSnn.to(ct), x_BSnH.to(ct))
-        return (mixed + h_post_BSn.to(ct).unsqueeze(-1) * y_BSH.to(ct).unsqueeze(-2)).to(x_BSnH.dtype)
+    def forward(ctx, x_BSnH, h_res_BSnn, h_post_BSn, y_BSH, *source):
+        _save_stream(ctx, x_BSnH, source, h_res_BSnn, h_post_BSn, y_BSH)
+        return _mix(x_BSnH, h_res_BSnn, h_post_BSn, y_BSH)
 
     @staticmethod
     def backward(ctx, g_BSnH):
-        x, h_res, h_post, y = ctx.saved_tensors
-        ct = _compute_dtype(x)
-        g = g_BSnH.to(ct)
+        x, (h_res, h_post, y) = _load_stream(ctx)
         need = ctx.needs_input_grad
-        dx = torch.einsum("bsij,bsih->bsjh", h_res.to(ct), g).to(x.dtype) if need[0] else None
-        dh_res = torch.einsum("bsih,bsjh->bsij", g, x.to(ct)).to(h_res.dtype) if need[1] else None
-        dh_post = torch.einsum("bsih,bsh->bsi", g, y.to(ct)).to(h_post.dtype) if need[2] else None
-        dy = torch.einsum("bsi,bsih->bsh", h_post.to(ct), g).to(y.dtype) if need[3] else None
-        return dx, dh_res, dh_post, dy
+        g = g_BSnH
+        dx = _mix(g, h_res.transpose(-1, -2), out_dtype=x.dtype) if need[0] else None  # dX[j] = sum_i H[i, j] g[i]
+        dh_res = dh_post = dy = None
+        if need[1]:  # dH[i, j] = sum_h g[i] X[j]
+            dh_res = _bmm_fp32(_rows(g, 2), _rows(x, 2).transpose(-1, -2)).view(h_res.shape).to(h_res.dtype)
+        if need[2]:  # dp[i] = sum_h g[i] y
+            dh_post = _bmm_fp32(_rows(g, 2), _rows(y, 1).unsqueeze(-1)).view(h_post.shape).to(h_post.dtype)
+        if need[3]:  # dy = sum_i p[i] g[i]
+            dy = _collapse(g, h_post).to(y.dtype)
+        return dx, dh_res, dh_post, dy, None, None, None, None

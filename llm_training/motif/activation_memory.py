@@ -18,9 +18,10 @@ Saved tensors per token (elements; b = the compute dtype `[training] mixed_preci
 i = int64; n = mhc_expansion_rate, K = experts_top_k, E = num_experts, I_e = moe_intermediate_size,
 I_s = I_e x num_shared_experts, I = intermediate_size):
   block input                n*H b with mHC (H b without)
-  mHC, each sub-layer        h_pre, h_post, H_res (2n + n^2) f; the collapsed input of the sub-layer's norm H b;
-                             the sub-layer's output H b (the stream update keeps it); before the FFN sub-layer
-                             the updated stream n*H b
+  mHC, each sub-layer        the projections [p, q, R] (2n + n^2) f and the norm's rstd 1 f; h_pre, h_post,
+                             H_res (2n + n^2) f; the collapsed input of the sub-layer's norm H b; the sub-layer's
+                             output H b (the stream update keeps it). The mid-block stream (after the attention
+                             update) is not kept: the FFN side rebuilds it from the block input (layers/mhc.py)
   attention (GDLA)           norm output H b; lambda_proj's fp32 input H f and lambda n_sig f; wq_a output and
                              c_q 2 q_lora b; wkv_a output (kv_lora + d_rope) b and kv_norm output kv_lora b; the
                              kernel's q n_h*d_qk, k n_kv*d_qk, v n_kv*d_v and output n_h*d_v b and its
@@ -137,6 +138,13 @@ def moe_terms(a: Motif3ModelArgs) -> tuple[PerToken, PerToken]:
     return saved, kept
 
 
+def mhc_sublayer_terms(a: Motif3ModelArgs) -> PerToken:
+    """What one mHC-wrapped sub-layer adds (the shared block input excluded): the collapsed norm input and the
+    sub-layer output H b each; projections, rstd and coefficients (2 (2n + n^2) + 1) f."""
+    n = a.mhc_expansion_rate
+    return PerToken(b=2 * a.hidden_size, f=2 * (2 * n + n * n) + 1)
+
+
 def trunk_block_terms(a: Motif3ModelArgs, moe: bool) -> BlockTerms:
     """One trunk layer (attention + dense MLP or MoE), with or without mHC."""
     H, n = a.hidden_size, a.mhc_expansion_rate
@@ -144,8 +152,7 @@ def trunk_block_terms(a: Motif3ModelArgs, moe: bool) -> BlockTerms:
     ffn_saved, ffn_kept = moe_terms(a) if moe else dense_terms(a)
     if a.mhc_enabled:
         block_input = PerToken(b=n * H)
-        sublayer = PerToken(b=2 * H, f=2 * n + n * n)  # collapsed norm input + output kept by the update; h_*
-        saved = block_input + sublayer + attn_saved + PerToken(b=n * H) + sublayer + ffn_saved
+        saved = block_input + mhc_sublayer_terms(a) + attn_saved + mhc_sublayer_terms(a) + ffn_saved
     else:
         block_input = PerToken(b=H)  # also the attention norm's input
         saved = block_input + attn_saved + PerToken(b=H) + ffn_saved  # + the residual the FFN norm reads

@@ -17,7 +17,7 @@ from torch import nn
 from llm_training.layers.attention import GDLAttention
 from llm_training.layers.attention_backends import AttentionMetadata, build_attention_metadata
 from llm_training.layers.ffn import FeedForward
-from llm_training.layers.mhc import MHC
+from llm_training.layers.mhc import MHC, StreamSource
 from llm_training.layers.moe import MoE, RouterStats
 from llm_training.layers.norms import RMSNorm
 from llm_training.layers.projection import OutputHead
@@ -108,10 +108,11 @@ class TransformerBlock(nn.Module):
             return x + y, stats
         h_pre, h_post, h_res = self.mhc_attn.coefficients(x)
         y = self.self_attn(self.input_layernorm(MHC.collapse(x, h_pre)), position_ids_BS, metadata)
-        x = MHC.update(x, h_res, h_post, y)
-        h_pre, h_post, h_res = self.mhc_ffn.coefficients(x)
-        y, stats = self._ffn(self.post_attention_layernorm(MHC.collapse(x, h_pre)))
-        return MHC.update(x, h_res, h_post, y), stats
+        mid = StreamSource(x, h_res, h_post, y)  # the mid-block stream is rebuilt from this in backward
+        x = MHC.update(*mid)
+        h_pre, h_post, h_res = self.mhc_ffn.coefficients(x, mid)
+        y, stats = self._ffn(self.post_attention_layernorm(MHC.collapse(x, h_pre, mid)))
+        return MHC.update(x, h_res, h_post, y, mid), stats
 
 
 class Motif3Model(nn.Module):
