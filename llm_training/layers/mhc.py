@@ -47,7 +47,11 @@ _SINKHORN_FLOOR = 1e-8
 def sinkhorn(logits_NN: torch.Tensor, iters: int) -> torch.Tensor:
     """exp(clamp(Z, +-20)) then `iters` x {divide rows by max(rowsum, 1e-8); same for columns}, fp32 (or
     float64 for float64 input)."""
-    m = torch.exp(logits_NN.to(torch.promote_types(logits_NN.dtype, torch.float32)).clamp(-_SINKHORN_EXP_CLAMP, _SINKHORN_EXP_CLAMP))
+    m = torch.exp(
+        logits_NN.to(torch.promote_types(logits_NN.dtype, torch.float32)).clamp(
+            -_SINKHORN_EXP_CLAMP, _SINKHORN_EXP_CLAMP
+        )
+    )
     for _ in range(iters):
         m = m / m.sum(dim=-1, keepdim=True).clamp_min(_SINKHORN_FLOOR)
         m = m / m.sum(dim=-2, keepdim=True).clamp_min(_SINKHORN_FLOOR)
@@ -202,7 +206,8 @@ def _rows(t: torch.Tensor, trailing: int) -> torch.Tensor:
 
 
 def _save_stream(ctx, x: torch.Tensor, source: tuple, *others: Optional[torch.Tensor]) -> None:
-    ctx.from_source = source[0] is not None
+    ctx.n_source = len(source)  # the source arguments get no gradient (they get it through X's own graph)
+    ctx.from_source = bool(source) and source[0] is not None
     ctx.save_for_backward(*(source if ctx.from_source else (x,)), *others)
 
 
@@ -267,7 +272,7 @@ class _StreamNormProjection(torch.autograd.Function):
                 if need[3 + k]:
                     dws[k] = (dfolded_KD[start : start + w.shape[0]] * gamma_D.to(dfolded_KD.dtype)).to(w.dtype)
                 start += w.shape[0]
-        return dx, dgamma, None, *dws, None, None, None, None
+        return dx, dgamma, None, *dws, *[None] * ctx.n_source
 
 
 class _CollapseStreams(torch.autograd.Function):
@@ -286,7 +291,7 @@ class _CollapseStreams(torch.autograd.Function):
             dx = torch.stack([(h[..., i, None] * g_BSH).to(x.dtype) for i in range(h.shape[-1])], dim=-2)
         if ctx.needs_input_grad[1]:
             dh = _bmm_fp32(_rows(x, 2), _rows(g_BSH, 1).unsqueeze(-1)).view(h.shape).to(h.dtype)
-        return dx, dh, None, None, None, None
+        return dx, dh, *[None] * ctx.n_source
 
 
 class _MixStreams(torch.autograd.Function):
@@ -310,4 +315,4 @@ class _MixStreams(torch.autograd.Function):
             dh_post = _bmm_fp32(_rows(g, 2), _rows(y, 1).unsqueeze(-1)).view(h_post.shape).to(h_post.dtype)
         if need[3]:  # dy = sum_i p[i] g[i]
             dy = _collapse(g, h_post).to(y.dtype)
-        return dx, dh_res, dh_post, dy, None, None, None, None
+        return dx, dh_res, dh_post, dy, *[None] * ctx.n_source

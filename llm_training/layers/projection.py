@@ -20,13 +20,12 @@ Why this and not TF32 (model-spec §0.2 notes Motif's own router GEMM runs in TF
 "fp32" (header: compute in float32, cast back at the stated point) is about the accumulation, the outputs
 and the fp32 weights. All our inputs are already bf16 activations (the router's and lambda_proj's normed
 hidden, mHC's bf16 stream), so they are exact in bf16; only the fp32 weight needs more bits, and hi + lo
-carries 16 of its 24 mantissa bits. Per logit the error is then ~4e-6 x the logits' spread (vs ~3e-4 for TF32,
-which rounds the weight to 11 bits, and ~1e-3 for bf16 weights, 8 bits), at the FLOPs of TF32 (two bf16
-passes = one TF32 pass) and without the fp32 copy of the input that TF32 or fp32 needs (TF32 would also
-need a global flag; this is scoped to these GEMMs by construction). Top-k routing: at E = 384, K = 8 the
-gap between the 8th and 9th score is ~0.05 of the logits' spread, so ~1e-4 of tokens could see a flip at
-this error, against ~1% with TF32 and ~3% with bf16 weights (tested on a realistic case in
-tests/layers/test_projection.py). On the CPU (and for fp32/fp64 inputs anywhere) the math is exact fp32 (or
+carries 16 of its 24 mantissa bits. Measured (float64 emulation, Motif-3 router E = 384, K = 8, H = 4096,
+4096 normed bf16 tokens, gate N(0, 0.02^2)): logit error rms 2.4e-6 x the logits' spread, no top-8 selection
+changed; TF32 (weight rounded to 11 bits) 2.1e-4 and 0.27% of tokens changed; bf16 weights 1.7e-3 and 2.0%.
+It costs the FLOPs of TF32 (two bf16 passes = one TF32 pass) and needs no fp32 copy of the input, which TF32
+or fp32 would (and TF32 would need a global flag; this is scoped to these GEMMs by construction). The test
+is tests/layers/test_projection.py. On the CPU (and for fp32/fp64 inputs anywhere) the math is exact fp32 (or
 the inputs' wider dtype), so CPU tests are strict.
 """
 
