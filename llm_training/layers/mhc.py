@@ -30,7 +30,7 @@ How it runs (the mHC paper's remedy, arXiv 2512.24880 §4.3: fused pre/post work
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -120,7 +120,7 @@ class MHC(nn.Module):
                 self.bias_res.normal_(0.0, 0.1)
 
     def coefficients(
-        self, x_BSnH: torch.Tensor, source: Optional[StreamSource] = None
+        self, x_BSnH: torch.Tensor, source: StreamSource | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h_pre [B, S, n], h_post [B, S, n], H_res [B, S, n, n], all fp32. `source`: how x was made (then x is
         not kept for the backward; module docstring)."""
@@ -129,7 +129,7 @@ class MHC(nn.Module):
             return checkpoint(self._coefficients_from_projections, pqr, use_reentrant=False)
         return self._coefficients_from_projections(pqr)
 
-    def projections(self, x_BSnH: torch.Tensor, source: Optional[StreamSource] = None) -> torch.Tensor:
+    def projections(self, x_BSnH: torch.Tensor, source: StreamSource | None = None) -> torch.Tensor:
         """[p, q, vec(R)] = RMSNorm_gamma(vec(X)) [proj_pre; proj_post; proj_res]^T, fp32 [B, S, 2n + n^2]."""
         weights = (self.proj_pre.weight, self.proj_post.weight, self.proj_res.weight)
         return _StreamNormProjection.apply(x_BSnH, self.norm.weight, self.norm.eps, *weights, *(source or _NO_SOURCE))
@@ -144,7 +144,7 @@ class MHC(nn.Module):
         return h_pre, h_post, h_res
 
     @staticmethod
-    def collapse(x_BSnH: torch.Tensor, h_pre_BSn: torch.Tensor, source: Optional[StreamSource] = None) -> torch.Tensor:
+    def collapse(x_BSnH: torch.Tensor, h_pre_BSn: torch.Tensor, source: StreamSource | None = None) -> torch.Tensor:
         """sum_i h_pre[i] X[i] in fp32, returned in X's dtype: [B, S, H]."""
         return _CollapseStreams.apply(x_BSnH, h_pre_BSn, *(source or _NO_SOURCE))
 
@@ -154,7 +154,7 @@ class MHC(nn.Module):
         h_res_BSnn: torch.Tensor,
         h_post_BSn: torch.Tensor,
         y_BSH: torch.Tensor,
-        source: Optional[StreamSource] = None,
+        source: StreamSource | None = None,
     ) -> torch.Tensor:
         """X'[i] = sum_j H_res[i, j] X[j] + h_post[i] y, fp32 inside, X's dtype out."""
         return _MixStreams.apply(x_BSnH, h_res_BSnn, h_post_BSn, y_BSH, *(source or _NO_SOURCE))
@@ -176,9 +176,9 @@ def _collapse(x_BSnH: torch.Tensor, h_BSn: torch.Tensor) -> torch.Tensor:
 def _mix(
     x_BSnH: torch.Tensor,
     h_BSnn: torch.Tensor,
-    h_post_BSn: Optional[torch.Tensor] = None,
-    y_BSH: Optional[torch.Tensor] = None,
-    out_dtype: Optional[torch.dtype] = None,
+    h_post_BSn: torch.Tensor | None = None,
+    y_BSH: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """X'[i] = sum_j H[i, j] X[j] (+ h_post[i] y), fp32 inside, `out_dtype` (default X's dtype) out."""
     n = x_BSnH.shape[-2]
@@ -205,7 +205,7 @@ def _rows(t: torch.Tensor, trailing: int) -> torch.Tensor:
     return t.reshape(-1, *t.shape[t.dim() - trailing :])
 
 
-def _save_stream(ctx, x: torch.Tensor, source: tuple, *others: Optional[torch.Tensor]) -> None:
+def _save_stream(ctx, x: torch.Tensor, source: tuple, *others: torch.Tensor | None) -> None:
     ctx.n_source = len(source)  # the source arguments get no gradient (they get it through X's own graph)
     ctx.from_source = bool(source) and source[0] is not None
     ctx.save_for_backward(*(source if ctx.from_source else (x,)), *others)

@@ -7,10 +7,10 @@ import math
 import torch
 
 from llm_training.layers.mhc import MHC, StreamSource, _StreamNormProjection, sinkhorn
-from llm_training.motif.activation_memory import PerToken, mhc_sublayer_terms
-from llm_training.motif import get_flavor
-from llm_training.motif.model import TransformerBlock
 from llm_training.layers.rope import build_rotary_embeddings
+from llm_training.motif import get_flavor
+from llm_training.motif.activation_memory import PerToken, mhc_sublayer_terms
+from llm_training.motif.model import TransformerBlock
 
 
 def test_sinkhorn_doubly_stochastic_and_finite_grads():
@@ -204,7 +204,7 @@ def test_fused_path_matches_the_plain_formula_bf16_stream():
     torch.manual_seed(0)
     n, H = 4, 32
     mhc_a, mhc_f = _two_mhc(n, H, torch.float32)
-    sub = lambda u: u * 0.5  # noqa: E731
+    sub = lambda u: u * 0.5
     x = torch.randn(2, 8, n, H).bfloat16().requires_grad_()
     ref = _reference_sublayer_pair(mhc_a, mhc_f, x, sub, sub)
     got = _fused_sublayer_pair(mhc_a, mhc_f, x, sub, sub)
@@ -259,7 +259,7 @@ def test_saved_set_is_one_bf16_stream_per_block_and_matches_the_estimate():
     n, H, B, S = 4, 512, 2, 16
     mhc_a, mhc_f = _two_mhc(n, H, torch.float32, iters=20)
     w = torch.randn(H, dtype=torch.bfloat16, requires_grad=True)
-    sub = lambda u: u * w  # noqa: E731  saves u (H b), as the sub-layer's RMSNorm does
+    sub = lambda u: u * w
     x = torch.randn(B, S, n, H).bfloat16().requires_grad_()
     params = [*mhc_a.parameters(), *mhc_f.parameters(), w]
     saved = _saved_storages(_fused_sublayer_pair, mhc_a, mhc_f, x, sub, sub, exclude=params)
