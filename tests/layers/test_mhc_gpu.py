@@ -1,0 +1,118 @@
+"""CUDA-only checks of the tensor-core fp32 paths: `matmul_fp32` / `Fp32Projection` (split-bf16 weights, fp32
+accumulation) against float64, router top-k stability with the real kernels, and the fused mHC Functions on a
+bf16 stream (eager and torch.compile) against the same code on the CPU in float64."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llm_training.layers.mhc import MHC, StreamSource
+from llm_training.layers.projection import Fp32Projection, matmul_fp32
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype", [("bf16", "fp32"), ("fp32", "bf16"), ("fp32", "fp32x"), ("bf16", "bf16")])
+def test_matmul_fp32_split_bf16_error_vs_float64(a_dtype, b_dtype):
+    """Exact bf16 operands + split fp32 operands: relative error ~1e-5 of the output's spread (the dropped
+    lo x lo term and fp32 accumulation); 'fp32x' = both operands fp32 and split (the backward's dx case)."""
+    torch.manual_seed(0)
+    a = torch.randn(4096, 2048, device="cuda")
+    b = torch.randn(2048, 96, device="cuda") * 0.02
+    if a_dtype == "bf16":
+        a = a.bfloat16()
+    if b_dtype == "bf16":
+        b = b.bfloat16()
+    if b_dtype == "fp32x":
+        a = a.bfloat16().float() + torch.randn_like(a) * 1e-3  # not exactly bf16: both split
+    want = a.double() @ b.double()
+    got = matmul_fp32(a, b)
+    assert got.dtype == torch.float32
+    err = ((got.double() - want).abs().max() / want.std()).item()
+    assert err < (3e-5 if b_dtype == "fp32x" or a_dtype == "fp32" else 2e-5), err
+
+
+def test_router_projection_on_cuda_keeps_top_k_and_fp32_gradients():
+    torch.manual_seed(0)
+    T, H, E, K = 4096, 4096, 384, 8
+    proj = Fp32Projection(H, E).cuda()
+    torch.nn.init.normal_(proj.weight, std=0.02)
+    x = F.rms_norm(torch.randn(T, H, device="cuda"), (H,)).bfloat16().requires_grad_()
+    bias = torch.randn(E, device="cuda") * 1e-3
+    logits = proj(x)
+    exact = x.double() @ proj.weight.double().t()
+    assert logits.dtype == torch.float32
+    assert ((logits.double() - exact).abs().max() / exact.std()).item() < 2e-5
+    pick = lambda z: (torch.sigmoid(z) + bias.to(z.dtype)).topk(K, -1).indices.sort(-1).values
+    flips = (pick(logits) != pick(exact)).any(-1).float().mean().item()
+    assert flips <= 1e-3, flips
+    g = torch.randn_like(logits)
+    logits.backward(g)
+    dx_want = (g.double() @ proj.weight.double()).float()
+    dw_want = g.double().t() @ x.double()
+    assert x.grad.dtype == torch.bfloat16 and proj.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(x.grad.float(), dx_want, atol=2e-2 * dx_want.std().item(), rtol=1e-2)
+    assert ((proj.weight.grad.double() - dw_want).abs().max() / dw_want.std()).item() < 2e-5
+
+
+def _pair(mhc_a, mhc_f, x, w_a, w_f):
+    h_pre, h_post, h_res = mhc_a.coefficients(x)
+    mid = StreamSource(x, h_res, h_post, torch.tanh(MHC.collapse(x, h_pre) * w_a))
+    x = MHC.update(*mid)
+    h_pre, h_post, h_res = mhc_f.coefficients(x, mid)
+    return MHC.update(x, h_res, h_post, torch.tanh(MHC.collapse(x, h_pre, mid) * w_f), mid)
+
+
+def _modules(n, H, device, dtype):
+    torch.manual_seed(0)
+    mods = []
+    for _ in range(2):
+        m = MHC(H, n, sinkhorn_iters=20, eps=1e-6, identity_init=False, h_post_alpha=0.0)
+        m.init_weights()
+        with torch.no_grad():
+            for a in (m.alpha_pre, m.alpha_post, m.alpha_res):
+                a.fill_(0.5)
+        mods.append(m.to(device=device, dtype=dtype))
+    return mods
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_mhc_bf16_stream_on_cuda_vs_the_cpu_path(compiled):
+    """The bf16-stream CUDA run (tensor-core GEMMs, fp32 coefficients; eager or torch.compile) against the CPU
+    path (exact fp32 math, pinned against the plain formula by test_mhc.py) on the same bf16 inputs and fp32
+    parameters: both round the stream to bf16 at the same points, so outputs and every gradient agree to
+    ~1e-2 relative (bf16 rounding boundaries crossed by the ~1e-5 GEMM differences). Against float64 math the
+    output and dx are within bf16 error (a few parameter gradients with cancellation differ more, on the CPU
+    path too, from the bf16 stream itself)."""
+    n, H, B, S = 4, 1024, 2, 512
+    gpu, cpu = _modules(n, H, "cuda", torch.float32), _modules(n, H, "cpu", torch.float32)
+    x = torch.randn(B, S, n, H, device="cuda").bfloat16()
+    w = torch.rand(H, device="cuda").add(0.5).bfloat16()
+    g = torch.randn(B, S, n, H, device="cuda").bfloat16()
+    fn = torch.compile(_pair) if compiled else _pair
+    xg = x.clone().requires_grad_()
+    out = fn(gpu[0], gpu[1], xg, w, w)
+    out.backward(g)
+    xc = x.cpu().requires_grad_()
+    want = _pair(cpu[0], cpu[1], xc, w.cpu(), w.cpu())
+    want.backward(g.cpu())
+    assert out.dtype == torch.bfloat16 and xg.grad.dtype == torch.bfloat16
+
+    def rel(a, b):
+        return ((a.cpu().double() - b.double()).norm() / b.double().norm()).item()
+
+    assert rel(out, want) < 5e-3
+    assert rel(xg.grad, xc.grad) < 1e-2
+    params_gpu = list(gpu[0].named_parameters()) + list(gpu[1].named_parameters())
+    params_cpu = list(cpu[0].parameters()) + list(cpu[1].parameters())
+    for (name, p), q in zip(params_gpu, params_cpu):
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert rel(p.grad, q.grad) < 2e-2, (name, rel(p.grad, q.grad))
+    x64 = x.cpu().double().requires_grad_()
+    ref = _modules(n, H, "cpu", torch.float64)
+    exact = _pair(ref[0], ref[1], x64, w.cpu().double(), w.cpu().double())
+    exact.backward(g.cpu().double())
+    assert rel(out, exact) < 1e-2 and rel(xg.grad, x64.grad) < 2e-2
