@@ -2,7 +2,8 @@
 corrections).
 
 The residual is n streams, stored as one tensor X [B, S, n, H] in the compute dtype (bf16 under bf16
-training, as model-spec §4.2 "Numerics" says: only the math is fp32). Per token:
+training, as model-spec §4.2 "Numerics" says: only the math is fp32; an fp32 stream would double what a
+block keeps, 32 KiB -> 64 KiB per token at H 4096, n 4, i.e. 8 -> 16 GiB per layer at 256K tokens). Per token:
     x~     = RMSNorm_gamma(vec(X))                     (over all n*H values, eps = mhc_eps), fp32
     p, q, R = proj_pre(x~), proj_post(x~), proj_res(x~)   (bias-free; R viewed [n, n])
     h_pre  = sigmoid(clamp(alpha_pre * p + bias_pre, +-10))
@@ -11,14 +12,16 @@ training, as model-spec §4.2 "Numerics" says: only the math is fp32). Per token
     sub-layer input = norm(sum_i h_pre[i] X[i])        (the block's own input/post-attention RMSNorm)
     X'[i]  = sum_j H_res[i, j] X[j] + h_post[i] * y    (fp32, cast back to X's dtype)
 
-How it runs (the mHC paper's remedy, arXiv 2512.24880 §4.3: fused pre/post work, recompute in backward):
+How it runs (the mHC paper's infrastructure remedies, arXiv 2512.24880: the norm reordered after the matmul,
+fused pre/post work, recompute in backward):
   * The norm is folded into the GEMM: x~ W^T = rstd * (vec(X) (W * gamma)^T), so the three projections are one
     [nH -> 2n + n^2] GEMM on the bf16 stream itself (`projection.matmul_fp32`: tensor cores, fp32
     accumulation) and the norm is a per-token fp32 sum of squares; no fp32 copy of the n-wide stream exists.
     (Same math as the formula above; fp32 rounding differs in the last bits.)
   * `_StreamNormProjection`, `_CollapseStreams`, `_MixStreams` are autograd Functions that save only the bf16
-    stream (one storage, shared), the sub-layer output y and per-token coefficients; every fp32 value over
-    the stream lives inside one op (under torch.compile: in registers of one fused kernel).
+    stream (one storage, shared), the sub-layer output y and per-token coefficients; fp32 values over the
+    stream exist at most one stream ([..., H]) wide at a time in eager mode, and under torch.compile only in
+    the registers of fused kernels.
   * The coefficient math on the [2n + n^2] projections (sigmoids, 20 Sinkhorn steps) is checkpointed: it
     keeps only its fp32 input, not the Sinkhorn iterates.
   * Recompute of the mid-block stream: the stream after the attention update, X1 = mix(X0, H_res, h_post, y),
