@@ -44,11 +44,13 @@ def _bf16_parts(t: torch.Tensor) -> list[torch.Tensor]:
     return [hi, (t - hi).to(torch.bfloat16)]
 
 
-def _use_split_bf16(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The tensor-core path: CUDA, every operand bf16 or fp32, at least one bf16 (else fp32 math is exact and
-    no fp32 copy is needed)."""
+def _use_split_bf16(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> bool:
+    """The tensor-core path: CUDA, every operand bf16 or fp32, and either one of them bf16 (the inputs of the
+    forward GEMMs) or a bf16 result (the backward's dx, which both split operands give to bf16 accuracy).
+    Otherwise (fp32 operands for an fp32 result, CPU, fp64) the math is exact in the wider dtype."""
     dtypes = {a.dtype, b.dtype}
-    return a.is_cuda and dtypes <= {torch.bfloat16, torch.float32} and torch.bfloat16 in dtypes
+    low = torch.bfloat16 in dtypes or out_dtype == torch.bfloat16
+    return a.is_cuda and dtypes <= {torch.bfloat16, torch.float32} and low
 
 
 def matmul_fp32(a_MK: torch.Tensor, b_KN: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -57,7 +59,7 @@ def matmul_fp32(a_MK: torch.Tensor, b_KN: torch.Tensor, out_dtype: torch.dtype =
     On CUDA with a bf16 operand the split pieces are concatenated along the SMALL operand's free dimension (or
     along K when both are split), so the large operand is never copied; the partial products are summed in
     fp32. Elsewhere: exact math in promote(a, b, fp32)."""
-    if not _use_split_bf16(a_MK, b_KN):
+    if not _use_split_bf16(a_MK, b_KN, out_dtype):
         ct = torch.promote_types(torch.promote_types(a_MK.dtype, b_KN.dtype), torch.float32)
         return (a_MK.to(ct) @ b_KN.to(ct)).to(out_dtype)
     A, B = _bf16_parts(a_MK), _bf16_parts(b_KN)
