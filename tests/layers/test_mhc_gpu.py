@@ -82,39 +82,39 @@ def _modules(n, H, device, dtype):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_fused_mhc_bf16_stream_on_cuda_vs_the_cpu_path(compiled):
-    """The bf16-stream CUDA run (tensor-core GEMMs, fp32 coefficients; eager or torch.compile) against the CPU
-    path (exact fp32 math, pinned against the plain formula by test_mhc.py) on the same bf16 inputs and fp32
-    parameters: both round the stream to bf16 at the same points, so outputs and every gradient agree to
-    ~1e-2 relative (bf16 rounding boundaries crossed by the ~1e-5 GEMM differences). Against float64 math the
-    output and dx are within bf16 error (a few parameter gradients with cancellation differ more, on the CPU
-    path too, from the bf16 stream itself)."""
+def test_fused_mhc_bf16_stream_on_cuda_is_as_accurate_as_the_cpu_path(compiled):
+    """The bf16-stream CUDA run (tensor-core GEMMs, fp32 coefficients; eager or torch.compile) and the CPU path
+    (exact fp32 math, pinned against the plain formula by test_mhc.py) on the same bf16 inputs and fp32
+    parameters, each against float64 math: the CUDA run's error in the output, dx and every parameter gradient
+    is at most 1.5x the CPU path's plus 2e-3 (the bf16 stream itself makes a few cancellation-prone parameter
+    gradients differ by several % on both; torch.compile may also skip intermediate bf16 roundings). Eager:
+    CUDA and CPU round at the same points, so their outputs agree to 5e-3."""
     n, H, B, S = 4, 1024, 2, 512
-    gpu, cpu = _modules(n, H, "cuda", torch.float32), _modules(n, H, "cpu", torch.float32)
+    gpu, cpu, ref = (
+        _modules(n, H, d, t) for d, t in (("cuda", torch.float32), ("cpu", torch.float32), ("cpu", torch.float64))
+    )
     x = torch.randn(B, S, n, H, device="cuda").bfloat16()
     w = torch.rand(H, device="cuda").add(0.5).bfloat16()
     g = torch.randn(B, S, n, H, device="cuda").bfloat16()
+
+    def run(fn, mods, x, w, g):
+        x = x.clone().requires_grad_()
+        out = fn(mods[0], mods[1], x, w, w)
+        out.backward(g)
+        return [out, x.grad] + [p.grad for m in mods for p in m.parameters()]
+
     fn = torch.compile(_pair) if compiled else _pair
-    xg = x.clone().requires_grad_()
-    out = fn(gpu[0], gpu[1], xg, w, w)
-    out.backward(g)
-    xc = x.cpu().requires_grad_()
-    want = _pair(cpu[0], cpu[1], xc, w.cpu(), w.cpu())
-    want.backward(g.cpu())
-    assert out.dtype == torch.bfloat16 and xg.grad.dtype == torch.bfloat16
+    got = run(fn, gpu, x, w, g)
+    cpu_path = run(_pair, cpu, x.cpu(), w.cpu(), g.cpu())
+    exact = run(_pair, ref, x.cpu().double(), w.cpu().double(), g.cpu().double())
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.bfloat16
 
     def rel(a, b):
         return ((a.cpu().double() - b.double()).norm() / b.double().norm()).item()
 
-    assert rel(out, want) < 5e-3
-    assert rel(xg.grad, xc.grad) < 1e-2
-    params_gpu = list(gpu[0].named_parameters()) + list(gpu[1].named_parameters())
-    params_cpu = list(cpu[0].parameters()) + list(cpu[1].parameters())
-    for (name, p), q in zip(params_gpu, params_cpu):
-        assert p.grad is not None and torch.isfinite(p.grad).all(), name
-        assert rel(p.grad, q.grad) < 2e-2, (name, rel(p.grad, q.grad))
-    x64 = x.cpu().double().requires_grad_()
-    ref = _modules(n, H, "cpu", torch.float64)
-    exact = _pair(ref[0], ref[1], x64, w.cpu().double(), w.cpu().double())
-    exact.backward(g.cpu().double())
-    assert rel(out, exact) < 1e-2 and rel(xg.grad, x64.grad) < 2e-2
+    names = ["out", "dx"] + [f"{k}.{name}" for k, m in enumerate(gpu) for name, _ in m.named_parameters()]
+    for name, a, c, e in zip(names, got, cpu_path, exact):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, e) <= 1.5 * rel(c, e) + 2e-3, (name, rel(a, e), rel(c, e))
+    if not compiled:
+        assert rel(got[0], cpu_path[0]) < 5e-3
