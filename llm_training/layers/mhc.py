@@ -172,7 +172,7 @@ class MHC(nn.Module):
 def _collapse(x_BSnH: torch.Tensor, h_BSn: torch.Tensor) -> torch.Tensor:
     acc = h_BSn[..., 0, None] * x_BSnH[..., 0, :]
     for i in range(1, x_BSnH.shape[-2]):
-        acc = acc + h_BSn[..., i, None] * x_BSnH[..., i, :]
+        acc = torch.addcmul(acc, h_BSn[..., i, None], x_BSnH[..., i, :])  # one op per term in eager mode
     return acc.to(x_BSnH.dtype)
 
 
@@ -187,9 +187,11 @@ def _mix(
     n = x_BSnH.shape[-2]
     rows = []
     for i in range(n):
-        acc = h_post_BSn[..., i, None] * y_BSH if y_BSH is not None else 0.0
-        for j in range(n):
-            acc = acc + h_BSnn[..., i, j, None] * x_BSnH[..., j, :]
+        acc = h_BSnn[..., i, 0, None] * x_BSnH[..., 0, :]
+        for j in range(1, n):
+            acc = torch.addcmul(acc, h_BSnn[..., i, j, None], x_BSnH[..., j, :])
+        if y_BSH is not None:
+            acc = torch.addcmul(acc, h_post_BSn[..., i, None], y_BSH)
         rows.append(acc.to(out_dtype or x_BSnH.dtype))
     return torch.stack(rows, dim=-2)
 
