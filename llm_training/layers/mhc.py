@@ -39,12 +39,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from llm_training.layers import projection
 from llm_training.layers.norms import RMSNorm
 from llm_training.layers.projection import Fp32Projection, matmul_fp32
 
 _SIGMOID_ARG_CLAMP = 10.0
 _SINKHORN_EXP_CLAMP = 20.0
 _SINKHORN_FLOOR = 1e-8
+_BACKWARD_CHUNK = 1 << 26  # fp32 elements of the projection's dx computed at a time (256 MiB)
 
 
 def sinkhorn(logits_NN: torch.Tensor, iters: int) -> torch.Tensor:
@@ -199,8 +201,8 @@ def _mix(
 def _bmm_fp32(a_TnH: torch.Tensor, b_THm: torch.Tensor) -> torch.Tensor:
     """Batched a @ b with fp32 accumulation and output. bf16 operands are exact: tensor cores on CUDA
     (`torch.bmm(..., out_dtype=torch.float32)`); elsewhere exact math in promote(dtype, fp32)."""
-    if a_TnH.is_cuda and a_TnH.dtype == b_THm.dtype == torch.bfloat16:
-        return torch.bmm(a_TnH, b_THm, out_dtype=torch.float32)
+    if projection.on_tensor_cores(a_TnH) and a_TnH.dtype == b_THm.dtype == torch.bfloat16:
+        return projection.bmm_fp32_out(a_TnH, b_THm)
     ct = torch.promote_types(torch.promote_types(a_TnH.dtype, b_THm.dtype), torch.float32)
     return torch.bmm(a_TnH.to(ct), b_THm.to(ct))
 
@@ -262,12 +264,18 @@ class _StreamNormProjection(torch.autograd.Function):
         dx = dgamma = None
         dws = [None, None, None]
         if need[0]:
-            # CUDA: the GEMM's output in X's dtype (fp32 accumulation, one rounding) plus the norm term in X's
-            # dtype, so no fp32 n-wide tensor exists; elsewhere all fp32, one rounding at the end.
-            gemm_dtype = x_BSnH.dtype if x_BSnH.is_cuda else torch.promote_types(x_BSnH.dtype, torch.float32)
-            gemm = matmul_fp32(draw_TK, folded_KD, out_dtype=gemm_dtype)
-            dx = gemm + xf_TD * (dmean_T * (2.0 / D))[:, None].to(gemm_dtype)
-            dx = dx.to(x_BSnH.dtype).view(x_BSnH.shape)
+            # dx = draw W~ + (2 / D) dmean * X in fp32, rounded once to X's dtype (a bf16 GEMM output would add a
+            # rounding that a cancellation-prone coefficient gradient feels: tests/layers/test_mhc.py), over
+            # token chunks so the fp32 values are at most _BACKWARD_CHUNK elements at a time, not the n-wide
+            # stream (a single chunk at the CPU demo's size).
+            ct = torch.promote_types(x_BSnH.dtype, torch.float32)
+            coef_T1 = (dmean_T * (2.0 / D))[:, None]
+            dx_TD = torch.empty_like(xf_TD)
+            step = max(1, _BACKWARD_CHUNK // D)
+            for s in range(0, xf_TD.shape[0], step):
+                gemm = matmul_fp32(draw_TK[s : s + step], folded_KD, out_dtype=ct)
+                dx_TD[s : s + step] = torch.addcmul(gemm, xf_TD[s : s + step], coef_T1[s : s + step])
+            dx = dx_TD.view(x_BSnH.shape)
         if need[1] or any(need[3:6]):
             dfolded_KD = matmul_fp32(draw_TK.t(), xf_TD, out_dtype=folded_KD.dtype)
             if need[1]:

@@ -44,13 +44,29 @@ def _bf16_parts(t: torch.Tensor) -> list[torch.Tensor]:
     return [hi, (t - hi).to(torch.bfloat16)]
 
 
+def on_tensor_cores(t: torch.Tensor) -> bool:
+    """Whether `t` takes the bf16 tensor-core paths (CUDA). The CPU tests emulate those paths by patching this
+    and the two `*_fp32_out` products below."""
+    return t.is_cuda
+
+
+def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bf16 @ bf16 with fp32 accumulation and fp32 output (CUDA-only in torch 2.11/2.13)."""
+    return torch.mm(a, b, out_dtype=torch.float32)
+
+
+def bmm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched bf16 @ bf16 with fp32 accumulation and fp32 output (CUDA-only in torch 2.11/2.13)."""
+    return torch.bmm(a, b, out_dtype=torch.float32)
+
+
 def _use_split_bf16(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> bool:
     """The tensor-core path: CUDA, every operand bf16 or fp32, and either one of them bf16 (the inputs of the
     forward GEMMs) or a bf16 result (the backward's dx, which both split operands give to bf16 accuracy).
     Otherwise (fp32 operands for an fp32 result, CPU, fp64) the math is exact in the wider dtype."""
     dtypes = {a.dtype, b.dtype}
     low = torch.bfloat16 in dtypes or out_dtype == torch.bfloat16
-    return a.is_cuda and dtypes <= {torch.bfloat16, torch.float32} and low
+    return on_tensor_cores(a) and dtypes <= {torch.bfloat16, torch.float32} and low
 
 
 def matmul_fp32(a_MK: torch.Tensor, b_KN: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -64,20 +80,20 @@ def matmul_fp32(a_MK: torch.Tensor, b_KN: torch.Tensor, out_dtype: torch.dtype =
         return (a_MK.to(ct) @ b_KN.to(ct)).to(out_dtype)
     A, B = _bf16_parts(a_MK), _bf16_parts(b_KN)
     if len(A) == 1 and len(B) == 1:
-        return torch.mm(a_MK, b_KN, out_dtype=torch.float32).to(out_dtype)
+        return mm_fp32_out(a_MK, b_KN).to(out_dtype)
     if len(A) == 1:  # b split: [M, K] @ [K, 2N], then add the halves
         N = b_KN.shape[1]
-        out = torch.mm(a_MK, torch.cat(B, dim=1), out_dtype=torch.float32)
+        out = mm_fp32_out(a_MK, torch.cat(B, dim=1))
         return (out[:, :N] + out[:, N:]).to(out_dtype)
     if len(B) == 1:  # a split: [2M, K] @ [K, N]
         M = a_MK.shape[0]
-        out = torch.mm(torch.cat(A, dim=0), b_KN, out_dtype=torch.float32)
+        out = mm_fp32_out(torch.cat(A, dim=0), b_KN)
         return (out[:M] + out[M:]).to(out_dtype)
     # both split: hi.hi + hi.lo + lo.hi as one GEMM over a 3K contraction (fp32 accumulation inside)
     a_cat = torch.cat([A[0], A[0], A[1]], dim=1)
     b_cat = torch.cat([B[0], B[1], B[0]], dim=0)
     if out_dtype == torch.float32:
-        return torch.mm(a_cat, b_cat, out_dtype=torch.float32)
+        return mm_fp32_out(a_cat, b_cat)
     return torch.mm(a_cat, b_cat).to(out_dtype)  # bf16 output, fp32 accumulation: one rounding
 
 

@@ -270,3 +270,65 @@ def test_saved_set_is_one_bf16_stream_per_block_and_matches_the_estimate():
     a = get_flavor("motif3_debug").replace(hidden_size=H, mhc_expansion_rate=n)
     want = PerToken(b=n * H) + mhc_sublayer_terms(a) + mhc_sublayer_terms(a)
     assert per_token == want.bytes(2), (per_token, want.bytes(2))
+
+
+def test_tensor_core_path_emulated_is_as_accurate_as_the_cpu_path(monkeypatch):
+    """The CUDA code path (split-bf16 GEMMs, bf16 dx of the projection, fp32-output bmm; emulated on the CPU by
+    patching `projection`'s hooks) against float64: output, dx and every parameter gradient within 1.5x the
+    CPU path's error + 2e-3 (test_mhc_gpu.py runs the same comparison on the GPU)."""
+    from llm_training.layers import projection
+
+    n, H, B, S = 4, 256, 2, 32
+    torch.manual_seed(0)
+    x = torch.randn(B, S, n, H).bfloat16()
+    g = torch.randn(B, S, n, H).bfloat16()
+    w = torch.rand(H).add(0.5)
+
+    def run(dtype, x, g, w):
+        torch.manual_seed(1)
+        mhc_a, mhc_f = _two_mhc(n, H, dtype, iters=20)
+        x = x.clone().requires_grad_()
+        out = _fused_sublayer_pair(mhc_a, mhc_f, x, lambda u: torch.tanh(u * w), lambda u: torch.tanh(u * w))
+        out.backward(g)
+        return [out, x.grad] + [p.grad for m in (mhc_a, mhc_f) for p in m.parameters()]
+
+    exact = run(torch.float64, x.double(), g.double(), w.bfloat16().double())
+    cpu_path = run(torch.float32, x, g, w.bfloat16())
+
+    def product(op):
+        def go(a, b):
+            assert a.dtype == b.dtype == torch.bfloat16
+            return op(a.float(), b.float())
+
+        return go
+
+    monkeypatch.setattr(projection, "on_tensor_cores", lambda t: True)
+    monkeypatch.setattr(projection, "mm_fp32_out", product(torch.mm))
+    monkeypatch.setattr(projection, "bmm_fp32_out", product(torch.bmm))
+    emulated = run(torch.float32, x, g, w.bfloat16())
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    for k, (a, c, e) in enumerate(zip(emulated, cpu_path, exact)):
+        assert a.dtype == c.dtype
+        assert rel(a, e) <= 1.5 * rel(c, e) + 2e-3, (k, rel(a, e), rel(c, e))
+
+
+def test_projection_backward_in_token_chunks_equals_one_chunk(monkeypatch):
+    from llm_training.layers import mhc as mhc_module
+
+    torch.manual_seed(0)
+    n, H = 4, 8
+    m = _two_mhc(n, H, torch.float32)[0]
+    x = torch.randn(2, 5, n, H).bfloat16().requires_grad_()
+    g = torch.randn(2, 5, 2 * n + n * n)
+    grads = []
+    for chunk in (1 << 26, 3 * n * H):  # one chunk; 3 tokens per chunk (4 chunks, the last one partial)
+        monkeypatch.setattr(mhc_module, "_BACKWARD_CHUNK", chunk)
+        x.grad = None
+        m.zero_grad()
+        m.projections(x).backward(g)
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in m.parameters() if p.grad is not None])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)

@@ -1,9 +1,11 @@
 """Fp32Projection and matmul_fp32: exact fp32 on the CPU; the CUDA split-bf16 scheme's error (emulated here in
 float64) and what it does to top-k routing decisions on a realistic router."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from llm_training.layers import projection
 from llm_training.layers.projection import Fp32Projection, _bf16_parts, matmul_fp32
 
 
@@ -77,3 +79,59 @@ def test_router_top_k_is_stable_under_the_split_bf16_gemm():
     changed = (_selected(split, bias.double(), K) != want).any(-1)
     gap = (top[:, K - 1] - top[:, K])[changed]
     assert (gap <= 1e-4).all(), gap
+
+
+@pytest.fixture
+def emulated_tensor_cores(monkeypatch):
+    """Run the CUDA code paths on the CPU: every tensor takes them, and the fp32-output bf16 products (CUDA-only
+    in torch) are emulated by exact fp32 products of the (checked) bf16 operands."""
+
+    def product(op):
+        def run(a, b):
+            assert a.dtype == b.dtype == torch.bfloat16, (a.dtype, b.dtype)
+            return op(a.float(), b.float())
+
+        return run
+
+    monkeypatch.setattr(projection, "on_tensor_cores", lambda t: True)
+    monkeypatch.setattr(projection, "mm_fp32_out", product(torch.mm))
+    monkeypatch.setattr(projection, "bmm_fp32_out", product(torch.bmm))
+
+
+@pytest.mark.parametrize(
+    "a_dtype,b_dtype,out_dtype",
+    [("bf16", "fp32", "fp32"), ("fp32", "bf16", "fp32"), ("bf16", "bf16", "fp32"), ("fp32", "fp32", "bf16")],
+)
+def test_split_bf16_path_error_vs_float64(emulated_tensor_cores, a_dtype, b_dtype, out_dtype):
+    """The split-bf16 path's error (what CUDA computes, up to fp32 summation order): ~1e-5 of the output's
+    spread with one exact bf16 operand; within bf16 rounding of the result when both are fp32."""
+    torch.manual_seed(0)
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    a = (torch.randn(512, 1024) + 1e-3).to(dt[a_dtype])
+    b = (torch.randn(1024, 48) * 0.02).to(dt[b_dtype])
+    want = a.double() @ b.double()
+    got = matmul_fp32(a, b, out_dtype=dt[out_dtype])
+    assert got.dtype == dt[out_dtype]
+    err = ((got.double() - want).abs().max() / want.std()).item()
+    if out_dtype == "bf16":
+        rounding = ((want.bfloat16().double() - want).abs().max() / want.std()).item()
+        assert err < 1.5 * rounding + 1e-4, (err, rounding)
+    else:
+        assert err < 2e-5, err
+
+
+def test_projection_on_the_split_path_matches_exact_fp32(emulated_tensor_cores):
+    torch.manual_seed(0)
+    proj = Fp32Projection(256, 24)
+    torch.nn.init.normal_(proj.weight, std=0.05)
+    x = torch.randn(2, 64, 256).bfloat16().requires_grad_()
+    g = torch.randn(2, 64, 24)
+    y = proj(x)
+    y.backward(g)
+    want = x.detach().double() @ proj.weight.detach().double().t()
+    assert y.dtype == torch.float32 and x.grad.dtype == torch.bfloat16 and proj.weight.grad.dtype == torch.float32
+    assert ((y.double() - want).abs().max() / want.std()).item() < 2e-5
+    dx = g.double() @ proj.weight.detach().double()
+    torch.testing.assert_close(x.grad.double(), dx, atol=1e-2 * dx.std().item(), rtol=1e-2)
+    dw = g.double().reshape(-1, 24).t() @ x.detach().double().reshape(-1, 256)
+    assert ((proj.weight.grad.double() - dw).abs().max() / dw.std()).item() < 2e-5
