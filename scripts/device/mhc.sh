@@ -21,7 +21,7 @@ step() {  # step NAME TIMEOUT CMD...: run guarded, print PASS/FAIL with the tail
   local t0=$SECONDS
   if timeout "$limit" "$@" >"$log" 2>&1; then
     echo "PASS $name ($((SECONDS - t0)) s)"
-    grep -E "passed|failed|skipped|^mHC|^  |^(legacy|fused) " "$log" | tail -n 20
+    grep -E "passed|failed|skipped|FAIL|Error|^mHC|^router|^  |^(legacy|fused) |^variant" "$log" | tail -n 30
   else
     echo "FAIL $name (rc $?, $((SECONDS - t0)) s)"
     tail -n 25 "$log"
