@@ -41,7 +41,9 @@ class AttentionMetadata:
     document_ids: Optional[torch.Tensor] = None
     flex_block_masks: dict = field(default_factory=dict)
     # varlen kernels (fa4) with documents: cumulative document lengths over the B*S flattened tokens, int32
-    # [N + 1], and the longest document (fa4_attention.document_cu_seqlens); None without documents
+    # [N + 1] (fa4_attention.document_cu_seqlens), and a bound on every document's length: the row length S
+    # (static across batches, so compiled code does not specialise on the longest document); both None without
+    # documents or for other backends
     cu_seqlens: Optional[torch.Tensor] = None
     max_seqlen: Optional[int] = None
     # backend "auto": whether this forward's device runs flash-attn-4 (decided here, eagerly, not in the layers)
@@ -327,7 +329,7 @@ def build_attention_metadata(
     if spec.uses_varlen(has_documents, device):
         from llm_training.layers.fa4_attention import document_cu_seqlens
 
-        cu_seqlens, max_seqlen = document_cu_seqlens(document_ids_BS)
+        cu_seqlens, max_seqlen = document_cu_seqlens(document_ids_BS), document_ids_BS.shape[1]
     return AttentionMetadata(
         document_ids=document_ids_BS,
         flex_block_masks=masks,

@@ -78,10 +78,10 @@ def fa4_usable(device) -> bool:
     return fa4_unavailable_reason(device) is None
 
 
-def document_cu_seqlens(document_ids_BS: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(cu_seqlens int32 [N + 1], max_seqlen) of the N contiguous documents of the B*S flattened tokens:
-    a document starts at every row start and wherever the id changes within a row. One host sync (the
-    number of documents and the longest length); call it once per forward, outside compiled code."""
+def document_cu_seqlens(document_ids_BS: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens, int32 [N + 1], of the N contiguous documents of the B*S flattened tokens: a document starts at
+    every row start and wherever the id changes within a row. N is data-dependent: one host sync, so call it
+    once per forward, outside compiled code (build_attention_metadata)."""
     B, S = document_ids_BS.shape
     flat = document_ids_BS.reshape(-1)
     starts = torch.ones_like(flat, dtype=torch.bool)
@@ -89,9 +89,7 @@ def document_cu_seqlens(document_ids_BS: torch.Tensor) -> tuple[torch.Tensor, in
     starts[::S] = True
     positions = torch.nonzero(starts).flatten()
     total = torch.tensor([B * S], device=flat.device, dtype=positions.dtype)
-    cu_seqlens = torch.cat([positions, total]).to(torch.int32)
-    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
-    return cu_seqlens, max_seqlen
+    return torch.cat([positions, total]).to(torch.int32)
 
 
 def _check_inputs(q_BSHD: torch.Tensor) -> None:
