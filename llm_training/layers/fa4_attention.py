@@ -174,3 +174,59 @@ def fa4_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max
 
         max_logits = chunked_max_logits(q_BSHD, k_BSKD, scale=scale, window=window, document_ids=metadata.document_ids)
     return out, max_logits
+
+
+def fa4_block_attention(q_BQHD, k_BKKD, v_BKKE, *, scale, queries, keys, window, document_ids, record_max_logits):
+    """flash-attn-4 as a context-parallel block kernel (distributed/block_attention.py signature): the ring's
+    two block-pair kinds without documents, the diagonal pair (queries == keys: causal) and a key block wholly
+    before the query block (every pair visible: non-causal), returning out and lse in fp32 (both
+    differentiable, as the ring's recompute backward needs). Windows (halo attention), partial overlaps and
+    documents raise: those pairs stay with block_attention's FlexAttention kernel.
+
+    Not wired yet: distributed/context_parallel.py picks the block kernel (block_attention_kernel); selecting
+    this one for attention_backend fa4 (or auto on SM90 / SM100) and no documents is the context-parallel
+    side's change."""
+    if window is not None or document_ids is not None:
+        raise ValueError(
+            "fa4_block_attention covers causal ring pairs without documents (window None, no document ids)"
+        )
+    if queries == keys:
+        causal = True
+    elif keys.stop <= queries.start:
+        causal = False
+    else:
+        raise ValueError(f"fa4_block_attention: key block {keys} neither equals nor precedes query block {queries}")
+    _check_inputs(q_BQHD)
+    from flash_attn.cute import flash_attn_func
+
+    Hq = q_BQHD.shape[2]
+    k, v, d_v = _layout_kv(k_BKKD, v_BKKE, Hq, DEFAULT_GQA_LAYOUT)
+    out, lse = flash_attn_func(q_BQHD, k, v, softmax_scale=scale, causal=causal, return_lse=True)
+    if out.shape[-1] != d_v:
+        out = out[..., :d_v]
+    max_logits = _block_max_logits(q_BQHD, k_BKKD, scale, causal) if record_max_logits else None
+    return out.float(), lse.float(), max_logits
+
+
+@torch.no_grad()
+def _block_max_logits(q_BQHD, k_BKKD, scale, causal: bool, block_elems: int = 1 << 27) -> torch.Tensor:
+    """fp32 [Hq] max of the scaled logits of one block pair (causal: the diagonal pair), in tiles of at most
+    `block_elems` logits."""
+    B, Q, Hq, _ = q_BQHD.shape
+    q = q_BQHD.transpose(1, 2)
+    k = k_BKKD.repeat_interleave(Hq // k_BKKD.shape[2], dim=2).transpose(1, 2)
+    best = torch.full((Hq,), float("-inf"), device=q.device, dtype=torch.float32)
+    cq = min(Q, 1024)
+    ck = max(cq, block_elems // max(1, B * Hq * cq))
+    for i0 in range(0, Q, cq):
+        i1 = min(Q, i0 + cq)
+        for j0 in range(0, i1 if causal else k.shape[2], ck):
+            j1 = min(i1 if causal else k.shape[2], j0 + ck)
+            logits = (q[:, :, i0:i1] @ k[:, :, j0:j1].transpose(-1, -2)).float() * scale
+            if causal:
+                visible = (
+                    torch.arange(j0, j1, device=q.device)[None, :] <= torch.arange(i0, i1, device=q.device)[:, None]
+                )
+                logits = logits.masked_fill(~visible, float("-inf"))
+            best = torch.maximum(best, logits.amax(dim=(0, 2, 3)))
+    return best
