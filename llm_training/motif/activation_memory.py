@@ -26,9 +26,12 @@ I_s = I_e x num_shared_experts, I = intermediate_size):
                              the updated stream n*H b
   attention (GDLA)           norm output H b; lambda_proj's fp32 input H f and lambda n_sig f; wq_a output and
                              c_q 2 q_lora b; wkv_a output (kv_lora + d_rope) b and kv_norm output kv_lora b; the
-                             kernel's q n_h*d_qk, k n_kv*d_qk, v n_kv*d_v and output n_h*d_v b and its
-                             log-sum-exp n_h f (what a fused flash / cuDNN / FlexAttention kernel keeps; the
-                             CPU math fallback keeps the S x S probabilities instead); gate logits n_sig*d_v b;
+                             kernel's q n_h*d_qk, k n_k*d_qk, v n_k*d_v and output n_h*d_v b and its
+                             log-sum-exp n_h f (what a fused kernel keeps; the CPU math fallback keeps the
+                             S x S probabilities instead), n_k = n_h when d_qk != d_v (flash-attn-4, the GPU
+                             default, gets K/V expanded to the query heads: layers/fa4_attention.py; cuDNN and
+                             FlexAttention keep n_kv heads, so there the estimate is high by that), else n_kv;
+                             gate logits n_sig*d_v b;
                              wo input n_sig*d_v b
   dense MLP (width I)        norm output H b; gate, up 2I b; activation output I b; PolyNorm rstd 3 f
                              (with hidden_clamp, as the shared expert: the pre-clamp gate, up 2I b more)
@@ -88,6 +91,13 @@ class BlockTerms(NamedTuple):
     routed: PerToken = PerToken()
 
 
+def kernel_kv_heads(a: Motif3ModelArgs) -> int:
+    """KV heads the attention kernel keeps for its backward: flash-attn-4's expand_kv layout (the GPU default)
+    when the qk and v head dims differ and heads are grouped, else the model's KV heads."""
+    expanded = a.head_dim != a.v_head_dim and a.num_attention_heads != a.num_key_value_heads
+    return a.num_attention_heads if expanded else a.num_key_value_heads
+
+
 def attention_terms(a: Motif3ModelArgs) -> tuple[PerToken, PerToken]:
     """(saved without AC, kept by selective AC) of one GDLA layer, its norm's input excluded."""
     d_qk, gate = a.head_dim, a.num_signal_heads * a.v_head_dim
@@ -98,7 +108,7 @@ def attention_terms(a: Motif3ModelArgs) -> tuple[PerToken, PerToken]:
         + (a.kv_lora_rank + a.qk_rope_head_dim)
         + a.kv_lora_rank
         + a.num_attention_heads * d_qk
-        + a.num_key_value_heads * (d_qk + a.v_head_dim)
+        + kernel_kv_heads(a) * (d_qk + a.v_head_dim)
         + a.num_attention_heads * a.v_head_dim
         + gate_logits
         + gate,
