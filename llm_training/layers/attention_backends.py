@@ -104,7 +104,9 @@ def chunked_max_logits(
 ) -> torch.Tensor:
     """Per-query-head max of the scaled logits over visible pairs, fp32 [Hq], as a side computation:
     query chunks x key chunks of at most `block_elems` logits each (never [B, H, S, S] at once), keys
-    limited to the causal / window range of each query chunk. Matmul in the input dtype, max in fp32."""
+    limited to the causal / window range of each query chunk. Matmul in the input dtype; the max of a tile
+    is taken in that dtype and scaled in fp32 after (the same value as scaling first: scale > 0 and the
+    conversion is exact); only tiles that cross the causal / window edge or hold documents are masked."""
     B, S, Hq, _ = q_BSHD.shape
     k_BHSD = _repeat_kv(k_BSKD, Hq // k_BSKD.shape[2]).transpose(1, 2)
     q_BHSD = q_BSHD.transpose(1, 2)
@@ -116,11 +118,14 @@ def chunked_max_logits(
         k_lo = 0 if window is None else max(0, i0 - window)
         for j0 in range(k_lo, i1, ck):
             j1 = min(i1, j0 + ck)
-            logits = (q_BHSD[:, :, i0:i1] @ k_BHSD[:, :, j0:j1].transpose(-1, -2)).float() * scale
-            mask = visibility_mask(
-                range(i0, i1), range(j0, j1), q_BSHD.device, window=window, document_ids_BS=document_ids
-            )
-            best = torch.maximum(best, logits.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
+            tile = q_BHSD[:, :, i0:i1] @ k_BHSD[:, :, j0:j1].transpose(-1, -2)
+            inside = j1 - 1 <= i0 and (window is None or j0 >= i1 - 1 - window)
+            if document_ids is not None or not inside:
+                mask = visibility_mask(
+                    range(i0, i1), range(j0, j1), q_BSHD.device, window=window, document_ids_BS=document_ids
+                )
+                tile = tile.masked_fill(~mask, float("-inf"))
+            best = torch.maximum(best, tile.amax(dim=(0, 2, 3)).float() * scale)
     return best
 
 
