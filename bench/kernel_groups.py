@@ -26,19 +26,19 @@ from collections.abc import Iterable
 
 # Ordered: the first matching rule wins.
 _RULES: list[tuple[str, re.Pattern]] = [
-    ("communication", re.compile(r"nccl", re.I)),
-    ("attention", re.compile(r"fmha|flash|sdpa|attention|flex|cudnn_generated|fprop|bprop", re.I)),
-    ("grouped GEMM", re.compile(r"group(ed)?_?(mm|gemm)|GroupProblemShape|grouped", re.I)),
-    ("tf32 GEMM", re.compile(r"tf32", re.I)),
-    ("fp32 GEMM (FFMA)", re.compile(r"sgemm|gemm_f32f32|f32f32_f32|gemv2T_kernel_val<float|simt_sgemm", re.I)),
-    ("bf16 GEMM", re.compile(r"nvjet|xmma_gemm|gemm|cutlass|wgmma", re.I)),
-    ("norms", re.compile(r"rms|norm", re.I)),
+    ("communication", re.compile(r"nccl", re.IGNORECASE)),
+    ("attention", re.compile(r"fmha|flash|sdpa|attention|flex|cudnn_generated|fprop|bprop", re.IGNORECASE)),
+    ("grouped GEMM", re.compile(r"group(ed)?_?(mm|gemm)|GroupProblemShape|grouped", re.IGNORECASE)),
+    ("tf32 GEMM", re.compile(r"tf32", re.IGNORECASE)),
+    ("fp32 GEMM (FFMA)", re.compile(r"sgemm|gemm_f32f32|f32f32_f32|gemv2T_kernel_val<float|simt_sgemm", re.IGNORECASE)),
+    ("bf16 GEMM", re.compile(r"nvjet|xmma_gemm|gemm|cutlass|wgmma", re.IGNORECASE)),
+    ("norms", re.compile(r"rms|norm", re.IGNORECASE)),
     (
         "copies/casts",
         re.compile(
             r"direct_copy|copy_kernel|CatArrayBatchedCopy|Memcpy|Memset|transpose|"
             r"^triton_\w+_fused__to_copy_\d+$|unrolled_elementwise_kernel<.*copy",
-            re.I,
+            re.IGNORECASE,
         ),
     ),
 ]
