@@ -10,12 +10,14 @@
 #       long        bench/bench_long_context.py: motif3_small_256k at 32K and 64K, then 128K if 64K trained (~2 min)
 #       long32 long64 long128   one length only
 #
-# Assumes flash_attn.cute (flash-attn-4 4.0.0b36) importable; caches compiled FA4 kernels on disk
+# Assumes flash_attn.cute (flash-attn-4 4.0.0b36) importable (installed, or carried and set up by wheels.sh); caches compiled FA4 kernels on disk
 # (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED) so that bench reuses what check compiled. Writes $OUT/fa4.log (the
 # full output and the JSON results); prints a compact summary. Each step is guarded: a failure prints FAIL and
 # the next step runs.
 set -u
 export PYTHONPATH=$PWD:$PWD/activations:$PWD/optimizer:${PYTHONPATH:-}
+# the optional wheels carried in .whl/ (and .cu13/), when this checkout has them: flash-attn-4 and its cutlass libs
+if [ -f scripts/device/wheels.sh ]; then source scripts/device/wheels.sh; fi
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
 export OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/fa4_out}
@@ -39,7 +41,7 @@ step() {  # step NAME TIMEOUT_S CMD... : run guarded, full output to the log, it
   return $rc
 }
 
-python - <<'EOF' 2>&1 | tee -a "$LOG"
+python3 - <<'EOF' 2>&1 | tee -a "$LOG"
 import torch
 try:
     import flash_attn.cute as fa
@@ -52,13 +54,13 @@ EOF
 case "$MODE" in
 check)
   # the pad_v layout's kernels are compiled and checked against the reference by the bench (check_backend)
-  step gpu_tests 50 python -m pytest -q -m gpu tests/layers/test_fa4_attention.py -k "not pad_v" -p no:cacheprovider
+  step gpu_tests 50 python3 -m pytest -q -m gpu tests/layers/test_fa4_attention.py -k "not pad_v" -p no:cacheprovider
   tail -n 3 "$RES/gpu_tests.out" | sed 's/^/  /'
   grep -E "^(FAILED|ERROR)" "$RES/gpu_tests.out" | head -n 12 | sed 's/^/  /'
-  step attention_smoke 30 python bench/bench_attention.py --seq-lens 4096 --tokens 8192 \
+  step attention_smoke 30 python3 bench/bench_attention.py --seq-lens 4096 --tokens 8192 \
     --backends fa4,sdpa --budget-s 20 --out "$RES/bench_attention_smoke.json"
   grep -vE "^wrote" "$RES/attention_smoke.out" | tail -n 8 | sed 's/^/  /'
-  step long_smoke 40 python bench/bench_long_context.py --seq-lens 4096 --steps 1 --warmup 1 \
+  step long_smoke 40 python3 bench/bench_long_context.py --seq-lens 4096 --steps 1 --warmup 1 \
     --out "$RES/bench_long_context_smoke.json"
   grep -vE "Warning|sliced_mesh|^wrote" "$RES/long_smoke.out" | tail -n 5 | sed 's/^/  /'
   ;;
@@ -67,7 +69,7 @@ bench)
   for part in $PARTS; do
     case "$part" in
     attention)
-      step attention 130 python bench/bench_attention.py --budget-s 100 --out "$RES/bench_attention.json"
+      step attention 130 python3 bench/bench_attention.py --budget-s 100 --out "$RES/bench_attention.json"
       grep -vE "^wrote" "$RES/attention.out" | tail -n 16 | sed 's/^/  /'
       cat "$RES/bench_attention.json" >>"$LOG" 2>/dev/null
       ;;
@@ -75,12 +77,12 @@ bench)
       case "$part" in
       long) lens="32768,65536" ;; long32) lens=32768 ;; long64) lens=65536 ;; long128) lens=131072 ;;
       esac
-      step "long_$lens" 150 python bench/bench_long_context.py --seq-lens "$lens" --steps 2 --warmup 1 \
+      step "long_$lens" 150 python3 bench/bench_long_context.py --seq-lens "$lens" --steps 2 --warmup 1 \
         --out "$RES/bench_long_context_$lens.json"
       grep -vE "Warning|sliced_mesh|^wrote" "$RES/long_$lens.out" | tail -n 4 | sed 's/^/  /'
       cat "$RES/bench_long_context_$lens.json" >>"$LOG" 2>/dev/null
       if [ "$part" = long ] && grep -qE "^ +65536 .* ok$" "$RES/long_$lens.out"; then
-        step long_131072 110 python bench/bench_long_context.py --seq-lens 131072 --steps 1 --warmup 1 \
+        step long_131072 110 python3 bench/bench_long_context.py --seq-lens 131072 --steps 1 --warmup 1 \
           --out "$RES/bench_long_context_131072.json"
         grep -vE "Warning|sliced_mesh|^wrote" "$RES/long_131072.out" | tail -n 3 | sed 's/^/  /'
         cat "$RES/bench_long_context_131072.json" >>"$LOG" 2>/dev/null
