@@ -19,6 +19,7 @@ Writes JSON (--out).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -73,6 +74,7 @@ def train(cfg, warmup: int, steps: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     cuda = device.type == "cuda"
     if cuda:
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
@@ -94,6 +96,7 @@ def train(cfg, warmup: int, steps: int) -> dict:
     row = {"step_s": step_s, "tokens_per_s": t.seq_len / step_s, "ce_losses": losses}
     row["peak_gib"] = torch.cuda.max_memory_allocated() / GIB if cuda else None
     del trainer
+    gc.collect()  # the trainer's reference cycles: free its memory before the next length's peak is measured
     if cuda:
         torch.cuda.empty_cache()
     return row
