@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # flash-attn-4 backend and the long-context path on one H200 (issue 16). Run from the repo root.
 #
-#   bash scripts/device/fa4.sh check            ~80 s (at most 120): GPU tests of the fa4 backend (values +
+#   bash scripts/device/fa4.sh check            ~4 min on a fresh machine (FA4 compiles ~10 s per kernel variant): GPU tests of the fa4 backend (values +
 #                                               gradients vs the reference: windows, documents, expand_kv layout,
 #                                               auto, torch.compile), a tiny attention bench (fa4, sdpa at 4K),
 #                                               a 4K long-context training smoke (motif3_small_256k)
