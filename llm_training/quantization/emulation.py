@@ -152,8 +152,8 @@ def emulated_grouped_mm(
 
 def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     """||y - ref||_F / ||ref||_F in fp64."""
-    ref = ref.double()
-    return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+    ref = ref.detach().double()
+    return float((y.detach().double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 __all__ = [
