@@ -47,13 +47,15 @@ def convertible_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
             ]
         elif isinstance(module, FeedForward):
             kind = "shared_expert" if id(module) in shared else "dense_mlp"
-            found += [(prefix + child, sub, kind) for child, sub in module.named_children() if isinstance(sub, nn.Linear)]
+            found += [
+                (prefix + child, sub, kind) for child, sub in module.named_children() if isinstance(sub, nn.Linear)
+            ]
         elif isinstance(module, GroupedExperts):
             found.append((name, module, "routed_experts"))
     return found
 
 
-def _gemm_dims(module: nn.Module) -> tuple[int, ...]:
+def gemm_dims(module: nn.Module) -> tuple[int, ...]:
     if isinstance(module, GroupedExperts):
         return (*module.gate_up_proj.shape[1:], *module.down_proj.shape[1:])
     return (module.in_features, module.out_features)
@@ -76,7 +78,7 @@ class LowPrecisionConverter:
         for name, module, kind in convertible_modules(model):
             if kind not in self.kinds:
                 continue
-            if self.cuda and not fits_cuda_kernel(self.recipe, *_gemm_dims(module)):
+            if self.cuda and not fits_cuda_kernel(self.recipe, *gemm_dims(module)):
                 self.skipped.append(name)
                 continue
             to_low_precision(module, kernels)

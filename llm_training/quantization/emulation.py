@@ -24,7 +24,7 @@ transposing a quantized tensor). With `hp_weight_grad` the wgrad GEMM runs unqua
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -97,7 +97,9 @@ class Scheme:
     """How one recipe quantizes a GEMM operand along the GEMM's reduction dim: `act` for activations and
     gradients, `weight` for weights."""
 
-    def __init__(self, act: Callable[[torch.Tensor, int], torch.Tensor], weight: Callable[[torch.Tensor, int], torch.Tensor]):
+    def __init__(
+        self, act: Callable[[torch.Tensor, int], torch.Tensor], weight: Callable[[torch.Tensor, int], torch.Tensor]
+    ):
         self.act, self.weight = act, weight
 
 

@@ -22,7 +22,6 @@ Where torchao has no high-precision weight-gradient option (fp8_rowwise experts,
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 
@@ -49,7 +48,7 @@ def _zero_past_last_group(y_NO: torch.Tensor, offs_E: torch.Tensor) -> torch.Ten
     return torch.where((rows < offs_E[-1])[:, None], y_NO, torch.zeros((), dtype=y_NO.dtype, device=y_NO.device))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _float8_rowwise_configs(hp_weight_grad: bool):
     """(Float8LinearConfig, LinearMMConfig) of torchao's rowwise recipe, as Float8Linear builds them."""
     from torchao.float8.config import Float8LinearConfig
@@ -171,13 +170,13 @@ class RecipeKernels:
         return f"RecipeKernels({self.recipe!r}, hp_weight_grad={self.hp_weight_grad})"
 
 
-def torchao_problem() -> Optional[str]:
+def torchao_problem() -> str | None:
     """Why torchao 0.18's low-precision training modules cannot be imported, or None."""
     try:
         import torchao  # noqa: F401
         from torchao.float8.float8_linear import matmul_with_hp_or_float8_args  # noqa: F401
         from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm  # noqa: F401
-    except Exception as e:  # ImportError, or a broken install raising at import
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken install raising at import
         return f"torchao is not importable ({type(e).__name__}: {e}); install it: {TORCHAO_INSTALL}"
     return None
 

@@ -6,8 +6,6 @@ FSDP2 sharding, EP's DTensor experts and the optimizer rules see the same model 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -35,7 +33,7 @@ class LowPrecisionGroupedExperts(GroupedExperts):
     kernels: RecipeKernels
 
     def forward(
-        self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor, group_multiple: Optional[int] = None
+        self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor, group_multiple: int | None = None
     ) -> torch.Tensor:
         return super().forward(x_NH, tokens_per_expert_E, group_multiple or self.kernels.group_multiple)
 

@@ -17,7 +17,6 @@ checks the numerics; `auto` never picks emulation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -40,12 +39,12 @@ LOW_PRECISION = {
 }
 
 
-def cuda_capability() -> Optional[tuple[int, int]]:
+def cuda_capability() -> tuple[int, int] | None:
     """(major, minor) of the current CUDA device, None without CUDA."""
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 
 
-def resolve_recipe(recipe: str, capability: Optional[tuple[int, int]]) -> str:
+def resolve_recipe(recipe: str, capability: tuple[int, int] | None) -> str:
     """The concrete recipe ("none" or a LOW_PRECISION key) that `recipe` means on a device of `capability`
     (None: CPU). Only `auto` depends on the device."""
     if recipe != "auto":
@@ -57,7 +56,7 @@ def resolve_recipe(recipe: str, capability: Optional[tuple[int, int]]) -> str:
     return "fp8_rowwise" if capability[0] == 9 else "none"
 
 
-def recipe_problem(recipe: str, capability: Optional[tuple[int, int]]) -> Optional[str]:
+def recipe_problem(recipe: str, capability: tuple[int, int] | None) -> str | None:
     """Why `recipe` cannot run on a GPU of `capability` (with the alternative), or None when it can (and on CPU,
     where it runs emulated)."""
     concrete = resolve_recipe(recipe, capability)

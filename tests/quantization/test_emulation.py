@@ -29,7 +29,10 @@ def _data(*shape, seed=0):
     return torch.randn(*shape, generator=g)
 
 
-@pytest.mark.parametrize("quantize", [lambda x: quantize_rowwise(x, 1), lambda x: quantize_mx(x, 1), lambda x: quantize_tiles(x, 1), quantize_blocks_2d])
+@pytest.mark.parametrize(
+    "quantize",
+    [lambda x: quantize_rowwise(x, 1), lambda x: quantize_mx(x, 1), lambda x: quantize_tiles(x, 1), quantize_blocks_2d],
+)
 def test_every_element_within_half_an_e4m3_ulp(quantize):
     x = _data(256, 256) * torch.logspace(-6, 6, 2)[:, None].repeat_interleave(128, 0)  # 12 decades between blocks
     q = quantize(x)
@@ -97,7 +100,9 @@ def test_emulated_grouped_mm_is_the_per_group_linear(recipe):
     offs = torch.tensor([32, 32, 80], dtype=torch.int32)  # expert 1 empty, 16 padding rows past the last group
     y = emulated_grouped_mm(x, w, offs, recipe)
     y.backward(torch.ones_like(y))
-    assert torch.equal(y[:32], emulated_linear(x[:32], w[0], recipe)) and torch.equal(y[32:80], emulated_linear(x[32:80], w[2], recipe))
+    assert torch.equal(y[:32], emulated_linear(x[:32], w[0], recipe)) and torch.equal(
+        y[32:80], emulated_linear(x[32:80], w[2], recipe)
+    )
     assert torch.equal(y[80:], torch.zeros(16, O))
     assert torch.equal(w.grad[1], torch.zeros(O, K)) and torch.equal(x.grad[80:], torch.zeros(16, K))
 
@@ -113,7 +118,9 @@ def _torchao_float8_rowwise(x, w):
 
     m = torch.nn.Sequential(torch.nn.Linear(w.shape[1], w.shape[0], bias=False))
     m[0].weight = torch.nn.Parameter(w.clone())
-    convert_to_float8_training(m, config=dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=True))
+    convert_to_float8_training(
+        m, config=dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=True)
+    )
     return m, m[0].weight
 
 

@@ -3,9 +3,8 @@ or torchao missing on a CUDA run, fails at config time with the reason and the a
 
 import pytest
 
-import llm_training.quantization.kernels as kernels
-import llm_training.quantization.recipes as recipes
 from llm_training.config import ConfigError, ConfigManager
+from llm_training.quantization import kernels, recipes
 from llm_training.quantization.recipes import recipe_problem, resolve_recipe
 
 SM100, SM90, SM89 = (10, 0), (9, 0), (8, 9)
@@ -62,8 +61,12 @@ def test_validation_rejects_mxfp8_on_sm90_naming_the_alternative(on_gpu, monkeyp
 
 def test_validation_names_the_torchao_install_on_a_cuda_run(on_gpu, monkeypatch):
     on_gpu(SM90)
-    monkeypatch.setattr(kernels, "torchao_problem", lambda: f"torchao is not importable; install it: {kernels.TORCHAO_INSTALL}")
-    with pytest.raises(ConfigError, match=r"recipe = 'auto' on CUDA: torchao is not importable.*pip install torchao==0\.18\.0"):
+    monkeypatch.setattr(
+        kernels, "torchao_problem", lambda: f"torchao is not importable; install it: {kernels.TORCHAO_INSTALL}"
+    )
+    with pytest.raises(
+        ConfigError, match=r"recipe = 'auto' on CUDA: torchao is not importable.*pip install torchao==0\.18\.0"
+    ):
         parse("--quantize.recipe=auto")
     parse("--quantize.recipe=none")  # no conversion, no torchao needed
     parse("--quantize.recipe=fp8_rowwise", "--training.device=cpu")  # CPU: the emulation needs no torchao
