@@ -25,6 +25,7 @@ import functools
 
 import torch
 
+from llm_training.layers.moe import _ContiguousGrad
 from llm_training.quantization.emulation import emulated_grouped_mm, emulated_linear
 
 GROUP_MULTIPLE = {"fp8_rowwise": 16, "mxfp8": 32, "fp8_blockwise": 128}  # token-group alignment of the kernel
@@ -156,14 +157,16 @@ class RecipeKernels:
         self.recipe, self.hp_weight_grad = recipe, hp_weight_grad
         self.group_multiple = GROUP_MULTIPLE[recipe]
 
+    # On CUDA the output's gradient is made contiguous first: torchao's quantization kernels require it (the
+    # stride-0 gradient of e.g. `.sum()` is not).
     def linear(self, x_NK: torch.Tensor, w_OK: torch.Tensor) -> torch.Tensor:
         if x_NK.is_cuda:
-            return _cuda_linear(self.recipe, x_NK, w_OK, self.hp_weight_grad)
+            return _ContiguousGrad.apply(_cuda_linear(self.recipe, x_NK, w_OK, self.hp_weight_grad))
         return emulated_linear(x_NK, w_OK, self.recipe, self.hp_weight_grad)
 
     def grouped_mm(self, x_NK: torch.Tensor, w_EOK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         if x_NK.is_cuda:
-            return _cuda_grouped_mm(self.recipe, x_NK, w_EOK, offs_E, self.hp_weight_grad)
+            return _ContiguousGrad.apply(_cuda_grouped_mm(self.recipe, x_NK, w_EOK, offs_E, self.hp_weight_grad))
         return emulated_grouped_mm(x_NK, w_EOK, offs_E, self.recipe, self.hp_weight_grad)
 
     def __repr__(self) -> str:

@@ -10,7 +10,6 @@ import copy
 import datetime
 import os
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
