@@ -35,7 +35,10 @@ class LowPrecisionGroupedExperts(GroupedExperts):
     def forward(
         self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor, group_multiple: int | None = None
     ) -> torch.Tensor:
-        return super().forward(x_NH, tokens_per_expert_E, group_multiple or self.kernels.group_multiple)
+        multiple = self.kernels.group_multiple
+        return super().forward(
+            x_NH, tokens_per_expert_E, multiple if group_multiple is None else math.lcm(group_multiple, multiple)
+        )
 
     def _grouped_matmul(self, x_NK, w_EOK, offs, counts):
         return self.kernels.grouped_mm(x_NK, w_EOK, offs)
