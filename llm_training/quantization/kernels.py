@@ -4,8 +4,7 @@ torch.compile). torchao is imported on first CUDA use only.
 
 CUDA kernels (torchao 0.18 API, read from its source):
   * fp8_rowwise    linear: `torchao.float8.float8_linear.matmul_with_hp_or_float8_args` with the "rowwise"
-                   (or "rowwise_with_gw_hp") Float8LinearConfig, i.e. the op `convert_to_float8_training`'s
-                   Float8Linear runs; experts: `moe_training._to_fp8_rowwise_then_scaled_grouped_mm`
+                   Float8LinearConfig, i.e. the op `convert_to_float8_training`'s Float8Linear runs; experts: `moe_training._to_fp8_rowwise_then_scaled_grouped_mm`
                    (`torch._scaled_grouped_mm`), token groups pre-padded to 16 rows (torchao 0.18 must be called
                    with pad_token_groups_for_grouped_mm=False).
   * mxfp8 (SM100)  linear: `moe_training.mxfp8_linear._to_mxfp8_then_scaled_mm`; experts:
@@ -15,8 +14,10 @@ CUDA kernels (torchao 0.18 API, read from its source):
                    experts: `moe_training.blockwise_fp8.grouped_mm._to_fp8_blockwise_then_scaled_grouped_mm`,
                    which runs DeepGEMM when `deep_gemm` is importable and torchao's emulated grouped GEMM
                    otherwise; token groups pre-padded to 128 rows.
-Where torchao has no high-precision weight-gradient option (fp8_rowwise experts, fp8_blockwise) it is
-`_HighPrecisionWeightGrad`: forward and dgrad through the quantized op, wgrad as a bf16 (grouped) GEMM.
+High-precision weight gradients: MXFP8 uses torchao's own `wgrad_with_hp`; fp8_rowwise and fp8_blockwise use
+`_HighPrecisionWeightGrad` (forward and dgrad through the recipe's quantized op, wgrad a bf16 (grouped) GEMM),
+which is the emulation's semantics exactly (torchao's "rowwise_with_gw_hp" linear recipe would instead scale
+the dgrad weight tensorwise).
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ def _zero_past_last_group(y_NO: torch.Tensor, offs_E: torch.Tensor) -> torch.Ten
 
 
 @functools.cache
-def _float8_rowwise_configs(hp_weight_grad: bool):
-    """(Float8LinearConfig, LinearMMConfig) of torchao's rowwise recipe, as Float8Linear builds them."""
+def _float8_rowwise_configs():
+    """(Float8LinearConfig, LinearMMConfig) of torchao's "rowwise" recipe, as Float8Linear builds them."""
     from torchao.float8.config import Float8LinearConfig
     from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 
-    c = Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp" if hp_weight_grad else "rowwise")
+    c = Float8LinearConfig.from_recipe_name("rowwise")
     mm = LinearMMConfig(
         *(
             ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim)
@@ -66,11 +67,6 @@ def _float8_rowwise_configs(hp_weight_grad: bool):
 
 
 def _cuda_linear(recipe: str, x_NK: torch.Tensor, w_OK: torch.Tensor, hp_weight_grad: bool) -> torch.Tensor:
-    if recipe == "fp8_rowwise":
-        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-
-        config, mm_config = _float8_rowwise_configs(hp_weight_grad)
-        return matmul_with_hp_or_float8_args.apply(x_NK, w_OK.t(), mm_config, config)
     if recipe == "mxfp8":
         from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
@@ -82,6 +78,11 @@ def _cuda_linear(recipe: str, x_NK: torch.Tensor, w_OK: torch.Tensor, hp_weight_
     if hp_weight_grad:
         op = functools.partial(_cuda_linear, recipe, hp_weight_grad=False)
         return _HighPrecisionWeightGrad.apply(x_NK, w_OK, None, lambda a, b, offs: op(a, b))
+    if recipe == "fp8_rowwise":
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+        config, mm_config = _float8_rowwise_configs()
+        return matmul_with_hp_or_float8_args.apply(x_NK, w_OK.t(), mm_config, config)
     from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
 
     return fp8_blockwise_mm.apply(x_NK, w_OK.contiguous(), 128, x_NK.dtype, False)

@@ -6,6 +6,8 @@ FSDP2 sharding, EP's DTensor experts and the optimizer rules see the same model 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
