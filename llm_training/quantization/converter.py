@@ -83,6 +83,15 @@ class LowPrecisionConverter:
                 continue
             to_low_precision(module, kernels)
             self.converted.append(name)
+        if self.cuda and self.recipe == "fp8_blockwise" and "routed_experts" in self.kinds:
+            import importlib.util
+
+            if importlib.util.find_spec("deep_gemm") is None:
+                logger.warning(
+                    "[quantize] fp8_blockwise: deep_gemm is not importable, so the routed experts run torchao's "
+                    "emulated blockwise grouped GEMM (blockwise numerics, no FP8 speed-up); install DeepGEMM or use "
+                    "recipe = 'fp8_rowwise'"
+                )
         logger.info(
             "[quantize] %s: %d modules converted (%s)%s",
             kernels,
