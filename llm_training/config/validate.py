@@ -55,6 +55,29 @@ def _check_dispatcher(c: "JobConfig") -> None:
     check_dispatcher_available(name)
 
 
+def _check_quantize(c: "JobConfig") -> None:
+    """[quantize]: at least one module kind; on a CUDA run, a recipe this GPU can run and torchao importable."""
+    from llm_training.quantization import run_on_cuda
+    from llm_training.quantization.kernels import torchao_problem
+    from llm_training.quantization.recipes import cuda_capability, recipe_problem, resolve_recipe
+
+    q = c.quantize
+    _require(
+        bool(q.convert) or q.recipe == "none",
+        f"[quantize] convert is empty with recipe = {q.recipe!r}; list module kinds to convert or set recipe = 'none'",
+    )
+    if not run_on_cuda(c):
+        return  # CPU: every recipe runs emulated; auto is none
+    capability = cuda_capability()
+    if capability is None:
+        return  # [training] device = cuda without CUDA: the device check reports it
+    problem = recipe_problem(q.recipe, capability)
+    _require(problem is None, f"[quantize] {problem}")
+    if resolve_recipe(q.recipe, capability) != "none":
+        problem = torchao_problem()
+        _require(problem is None, f"[quantize] recipe = {q.recipe!r} on CUDA: {problem}")
+
+
 def validate_config(c: "JobConfig") -> None:
     """World-size-independent checks; raises ConfigError on the first problem found."""
     from llm_training.motif import MODEL_FLAVORS
@@ -138,6 +161,7 @@ def validate_config(c: "JobConfig") -> None:
         f"{c.model.flavor!r}; pick a divisor of {flavor.num_experts}",
     )
     _check_dispatcher(c)
+    _check_quantize(c)
 
     ck = c.checkpoint
     _require(ck.interval >= 1, f"[checkpoint] interval must be >= 1, got {ck.interval}")
