@@ -20,7 +20,6 @@ from llm_training.train import main
 from optimizer import group_parameters
 
 TRAIN_CONFIGS = "llm_training/motif/train_configs"
-MXFP8_NOT_BUILT = ("--quantize.mode=none",)  # the low-precision issue's
 
 
 def parse(*argv: str):
@@ -146,7 +145,7 @@ def test_production_examples_at_32_ranks(name):
     sharded parameters (all their dims split evenly: dense over dp_shard x cp, experts over ep x the rest) plus the
     replicated fp32 ones; the last rank holds the same as rank 0. (Under expert parallelism the experts' fp32
     PolyNorm weights, [E, 4] per layer, are sharded over the ep ranks only: x 32 counts them 4x, hence the 1e-5.)"""
-    c = parse(f"--job.config_file={TRAIN_CONFIGS}/{name}", *MXFP8_NOT_BUILT)
+    c = parse(f"--job.config_file={TRAIN_CONFIGS}/{name}")
     parallel_dims, reports = measure_job(c)
     assert parallel_dims.world_size == 32 and [r.rank for r in reports] == [0, 31]
     args = get_flavor(c.model.flavor)

@@ -19,7 +19,7 @@ from llm_training.distributed.context_parallel import CP_MODES
 from llm_training.distributed.expert_parallel import DISPATCHERS
 from llm_training.layers.attention_backends import ATTENTION_BACKENDS
 from llm_training.motif import MODEL_FLAVORS
-from llm_training.quantization import CONVERTERS
+from llm_training.quantization import MODULE_KINDS, RECIPES
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../llm_training
 ASSETS_DIR = PACKAGE_DIR / "data" / "assets"
@@ -197,7 +197,10 @@ class Checkpoint:
 @dataclass
 class ActivationCheckpoint:
     mode: str = option(
-        "none", "recompute activations in backward: none, every block, or selected ops", choices=AC_MODES
+        "none",
+        "recompute activations in backward: none, every block, selected ops, or long_context (every block + "
+        "routed experts in checkpointed token chunks, for 64K-256K tokens per GPU)",
+        choices=AC_MODES,
     )
 
 
@@ -214,10 +217,19 @@ class Compile:
 
 @dataclass
 class Quantize:
-    mode: str = option(
+    recipe: str = option(
         "none",
-        "low-precision training recipe (llm_training.quantization.CONVERTERS; FP8 / MXFP8 are not built yet)",
-        choices=tuple(CONVERTERS),
+        "low-precision GEMMs (llm_training.quantization.recipes): mxfp8 (SM100), fp8_rowwise / fp8_blockwise "
+        "(SM90+), auto (mxfp8 on SM100, fp8_rowwise on SM90, none elsewhere); emulated on CPU",
+        choices=RECIPES,
+    )
+    convert: list[str] = option(
+        list(MODULE_KINDS),
+        "module kinds the recipe converts (embedding, heads, router, norms, mHC, lambda and gate projections never are)",
+        choices=MODULE_KINDS,
+    )
+    high_precision_weight_grad: bool = option(
+        False, "compute the weight-gradient GEMMs of converted modules in bf16 instead of the recipe's low precision"
     )
 
 

@@ -55,6 +55,29 @@ def _check_dispatcher(c: "JobConfig") -> None:
     check_dispatcher_available(name)
 
 
+def _check_quantize(c: "JobConfig") -> None:
+    """[quantize]: at least one module kind; on a CUDA run, a recipe this GPU can run and torchao importable."""
+    from llm_training.quantization import run_on_cuda
+    from llm_training.quantization.kernels import torchao_problem
+    from llm_training.quantization.recipes import cuda_capability, recipe_problem, resolve_recipe
+
+    q = c.quantize
+    _require(
+        bool(q.convert) or q.recipe == "none",
+        f"[quantize] convert is empty with recipe = {q.recipe!r}; list module kinds to convert or set recipe = 'none'",
+    )
+    if not run_on_cuda(c):
+        return  # CPU: every recipe runs emulated; auto is none
+    capability = cuda_capability()
+    if capability is None:
+        return  # [training] device = cuda without CUDA: the device check reports it
+    problem = recipe_problem(q.recipe, capability)
+    _require(problem is None, f"[quantize] {problem}")
+    if resolve_recipe(q.recipe, capability) != "none":
+        problem = torchao_problem()
+        _require(problem is None, f"[quantize] recipe = {q.recipe!r} on CUDA: {problem}")
+
+
 def validate_config(c: "JobConfig") -> None:
     """World-size-independent checks; raises ConfigError on the first problem found."""
     from llm_training.motif import MODEL_FLAVORS
@@ -138,6 +161,7 @@ def validate_config(c: "JobConfig") -> None:
         f"{c.model.flavor!r}; pick a divisor of {flavor.num_experts}",
     )
     _check_dispatcher(c)
+    _check_quantize(c)
 
     ck = c.checkpoint
     _require(ck.interval >= 1, f"[checkpoint] interval must be >= 1, got {ck.interval}")
@@ -186,7 +210,8 @@ OPTIONAL_METRICS_PACKAGES = (("enable_tensorboard", "tensorboard", "tensorboard"
 def validate_environment(c: "JobConfig") -> None:
     """Checks of the files and packages the config needs, so that they fail as config errors (exit 2) at start-up:
     the tokenizer directory (loads, has a chat template, eos and pad tokens), the data set (exists, has a record,
-    the split and conversations column exist) and the packages of the enabled metrics sinks."""
+    the split and conversations column exist), flash-attn-4 for attention_backend = 'fa4' and the packages of the
+    enabled metrics sinks."""
     from llm_training.data import build_tokenizer, check_dataset  # imported here: transformers is slow to import
 
     hf = c.huggingface_dataset
@@ -198,6 +223,12 @@ def validate_environment(c: "JobConfig") -> None:
             check()
         except (OSError, ValueError, KeyError, ImportError) as e:
             raise ConfigError(str(e.args[0]) if isinstance(e, KeyError) else str(e)) from None
+    if c.model.attention_backend == "fa4":
+        from llm_training.layers.fa4_attention import fa4_unavailable_reason
+
+        reason = fa4_unavailable_reason("cpu" if c.training.device == "cpu" else "cuda")
+        if reason is not None:
+            raise ConfigError(f"[model] attention_backend = 'fa4': {reason}; set attention_backend = 'auto'")
     for flag, package, pip_name in OPTIONAL_METRICS_PACKAGES:
         if getattr(c.metrics, flag) and importlib.util.find_spec(package) is None:
             raise ConfigError(

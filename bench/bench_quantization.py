@@ -1,0 +1,336 @@
+"""Low-precision benchmark (GPU): what the `[quantize]` recipes buy over bf16, in three parts.
+
+  layers  per-layer forward+backward time, bf16 vs each recipe this GPU runs, at motif3_proxy shapes: the GDLA
+          attention projections, the dense MLP, the routed experts' two grouped GEMMs (64 experts, top-8 rows);
+          also each layer's output relative error vs bf16
+  step    a motif3_proxy training step (the real Trainer, 1-rank FSDP2 bf16) under recipe none vs fp8_rowwise
+  curve   motif3_small trained on the demo data under none vs fp8_rowwise from the same init and batches; prints
+          both loss curves (every 25 steps) and the gap
+
+    python bench/bench_quantization.py layers step curve          # all three (about 4 minutes on an H200)
+    python bench/bench_quantization.py layers --tiny               # a smoke run at tiny sizes
+Writes bench/results/bench_quantization.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import math
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from cuda_timing import cuda_time_ms
+from torch import nn
+
+from llm_training.config import ConfigManager
+from llm_training.config.job_config import PACKAGE_DIR
+from llm_training.distributed import ParallelDims
+from llm_training.distributed.utils import setup_distributed
+from llm_training.layers.moe import GroupedExperts
+from llm_training.motif import get_flavor
+from llm_training.quantization.emulation import relative_error
+from llm_training.quantization.kernels import RecipeKernels, fits_cuda_kernel
+from llm_training.quantization.modules import to_low_precision
+from llm_training.quantization.recipes import LOW_PRECISION, cuda_capability, recipe_problem
+
+DEBUG_TOML = str(PACKAGE_DIR / "motif" / "train_configs" / "debug_cpu.toml")
+
+
+def runnable_recipes() -> list[str]:
+    return [r for r in LOW_PRECISION if recipe_problem(r, cuda_capability()) is None]
+
+
+# ------------------------------------------------------------------------------------------------------- layers
+class GroupedGemm(nn.Module):
+    """One grouped GEMM x_e w_e^T (the experts' gate_up GEMM alone): torch._grouped_mm, or `kernels.grouped_mm`
+    once `kernels` is set."""
+
+    def __init__(self, w_EOK: torch.Tensor):
+        super().__init__()
+        self.weight, self.kernels = nn.Parameter(w_EOK), None
+
+    def forward(self, x_NK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        if self.kernels is None:
+            return torch._grouped_mm(x_NK, self.weight.transpose(-2, -1), offs=offs_E)
+        return self.kernels.grouped_mm(x_NK, self.weight, offs_E)
+
+
+def layer_cases(tiny: bool):
+    """(name, GEMM dims, builder -> (module, inputs, upstream grad)) for the convertible modules of layer 0
+    (attention projections, dense MLP) and of the first MoE layer (experts) of motif3_proxy (tiny: motif3_small,
+    fewer tokens)."""
+    from llm_training.motif.model import Motif3Model
+    from llm_training.quantization.converter import convertible_modules, gemm_dims
+
+    flavor = "motif3_small" if tiny else "motif3_proxy"
+    args = get_flavor(flavor)
+    tokens = 1024 if tiny else 8192  # B x S of one micro-batch (2 x 4096)
+    with torch.device("meta"):
+        model = Motif3Model(args)
+    found = convertible_modules(model)
+    first_moe = next(n for n, _, kind in found if kind == "routed_experts").rsplit(".", 1)[0]
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    cases = []
+    for name, meta_module, kind in found:
+        if kind in ("attention", "dense_mlp") and name.startswith("layers.0."):
+            i, o = meta_module.in_features, meta_module.out_features
+
+            def build(i=i, o=o):
+                m = nn.Linear(i, o, bias=False, **bf16)
+                return m, (torch.randn(tokens, i, **bf16),), torch.randn(tokens, o, **bf16)
+
+            cases.append((name, (i, o), build))
+    rows = tokens * args.experts_top_k
+    E, H, I = args.num_experts, args.hidden_size, args.moe_intermediate_size
+
+    def routed():
+        counts = torch.bincount(torch.randint(0, E, (rows,), device="cuda"), minlength=E)
+        return torch.randn(rows, H, **bf16), counts
+
+    def build_experts():
+        m = GroupedExperts(args).to(**bf16)
+        with torch.no_grad():
+            m.init_weights(0.02)
+        return m, routed(), torch.randn(rows, H, **bf16)
+
+    def build_gemm():
+        x, counts = routed()
+        offs = torch.cumsum(torch.div(counts + 127, 128, rounding_mode="floor") * 128, 0).to(torch.int32)
+        x = torch.randn(int(offs[-1]), H, **bf16)  # groups 128-aligned: every recipe's alignment
+        return GroupedGemm(torch.randn(E, 2 * I, H, **bf16) * 0.02), (x, offs), torch.randn(x.shape[0], 2 * I, **bf16)
+
+    cases.append((f"{first_moe}.experts gate_up GEMM", (H, 2 * I), build_gemm))
+    cases.append((f"{first_moe}.experts", gemm_dims(model.get_submodule(first_moe + ".experts")), build_experts))
+    return cases
+
+
+def fwd_bwd_ms(module, inputs, grad, repeats: int) -> tuple[float, torch.Tensor]:
+    x0 = inputs[0].detach().requires_grad_()
+    args = (x0, *inputs[1:])
+
+    def step():
+        module.zero_grad(set_to_none=True)
+        x0.grad = None
+        module(*args).backward(grad)
+
+    times = cuda_time_ms(step, warmup=3, repeats=repeats)
+    with torch.no_grad():
+        out = module(*args)
+    return statistics.median(times), out
+
+
+def bench_layers(tiny: bool, repeats: int) -> list[dict]:
+    rows = []
+    for name, dims, build in layer_cases(tiny):
+        torch.manual_seed(0)
+        module, inputs, grad = build()
+        base_ms, base_out = fwd_bwd_ms(module, inputs, grad, repeats)
+        row = {"layer": name, "dims": list(dims), "bf16_ms": base_ms}
+        for recipe in runnable_recipes():
+            if not fits_cuda_kernel(recipe, *dims):
+                row[recipe] = "dims not aligned: stays bf16"
+                continue
+            try:
+                torch.manual_seed(0)
+                q, _, _ = build()
+                q.load_state_dict(module.state_dict())
+                kernels = RecipeKernels(recipe, hp_weight_grad=False)
+                if isinstance(q, GroupedGemm):
+                    q.kernels = kernels
+                else:
+                    to_low_precision(q, kernels)
+                ms, out = fwd_bwd_ms(q, inputs, grad, repeats)
+                row[recipe] = {"ms": ms, "speedup": base_ms / ms, "rel_err": relative_error(out, base_out)}
+            except Exception as e:  # noqa: BLE001 - one recipe's failure must not hide the others
+                row[recipe] = f"FAIL {type(e).__name__}: {str(e)[:160]}"
+            torch.cuda.empty_cache()
+        rows.append(row)
+        del module, inputs, grad
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------- train step
+def bench_step(recipe: str, tiny: bool, steps: int, warmup: int) -> dict:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_train import random_batch
+
+    from llm_training.trainer import Trainer
+
+    flavor, seq, batch = ("motif3_debug", 256, 2) if tiny else ("motif3_proxy", 4096, 2)
+    cfg = ConfigManager().parse_args([
+        "--job.config_file", DEBUG_TOML, "--job.dump_folder=/tmp/bench_quant", f"--job.run_name=step_{recipe}",
+        f"--model.flavor={flavor}", "--training.device=cuda", "--training.mixed_precision_param=bfloat16",
+        f"--training.seq_len={seq}", f"--training.local_batch_size={batch}", f"--training.steps={steps + warmup}",
+        "--checkpoint.enable=false", "--activation_checkpoint.mode=full", "--metrics.save_jsonl=false",
+        "--lr_scheduler.warmup_steps=1", f"--quantize.recipe={recipe}",
+    ])  # fmt: skip
+    dims = ParallelDims(1, -1, 1, 1, 1)
+    device, _ = setup_distributed(cfg.training.device, dims)
+    trainer = Trainer(cfg, dims, device)
+    converted = len(trainer.converters[0].converted) if trainer.converters else 0
+    gen = torch.Generator().manual_seed(0)
+    vocab = get_flavor(flavor).vocab_size
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for i in range(steps + warmup):
+        mb = random_batch(batch, seq, vocab, gen)
+        trainer.train_state.step = i + 1
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        rec = trainer.train_step([mb])
+        end.record()
+        torch.cuda.synchronize()
+        losses.append(rec.loss)
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    del trainer
+    torch.cuda.empty_cache()
+    ms = statistics.median(times)
+    return {
+        "flavor": flavor, "recipe": recipe, "seq_len": seq, "batch": batch, "converted_modules": converted,
+        "step_ms": ms, "tokens_per_s": batch * seq / ms * 1e3, "first_loss": losses[0],
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------- loss curves
+def loss_curve(recipe: str, tiny: bool, steps: int) -> dict:
+    from llm_training.trainer import train
+
+    flavor, seq, batch = ("motif3_debug", 256, 4) if tiny else ("motif3_small", 1024, 4)
+    cfg = ConfigManager().parse_args([
+        "--job.config_file", DEBUG_TOML, "--job.dump_folder=/tmp/bench_quant", f"--job.run_name=curve_{recipe}",
+        f"--model.flavor={flavor}", "--training.device=cuda", "--training.mixed_precision_param=bfloat16",
+        f"--training.seq_len={seq}", f"--training.local_batch_size={batch}", f"--training.steps={steps}",
+        "--checkpoint.enable=false", "--metrics.save_jsonl=false", "--metrics.log_freq=1000",
+        f"--lr_scheduler.warmup_steps={max(1, steps // 10)}", f"--quantize.recipe={recipe}", "--training.seed=7",
+    ])  # fmt: skip
+    dims = ParallelDims(1, -1, 1, 1, 1)
+    device, _ = setup_distributed(cfg.training.device, dims)
+    t0 = time.perf_counter()
+    result = train(cfg, dims, device)
+    torch.cuda.empty_cache()
+    return {
+        "flavor": flavor, "recipe": recipe, "seq_len": seq, "batch": batch, "seconds": time.perf_counter() - t0,
+        "losses": [result.losses[s] for s in sorted(result.losses)],
+    }  # fmt: skip
+
+
+def curve_summary(base: list[float], quant: list[float]) -> dict:
+    """Loss gap statistics over the last quarter of the run (and the step-to-step noise of bf16 there)."""
+    n = len(base) // 4
+    tail_b, tail_q = base[-n:], quant[-n:]
+    gap = [q - b for b, q in zip(tail_b, tail_q)]
+    noise = statistics.pstdev([b2 - b1 for b1, b2 in itertools.pairwise(tail_b)]) if n > 2 else float("nan")
+    return {
+        "mean_gap_last_quarter": statistics.fmean(gap),
+        "mean_abs_gap_last_quarter": statistics.fmean(abs(g) for g in gap),
+        "bf16_step_noise_last_quarter": noise,
+        "final_bf16": statistics.fmean(base[-10:]),
+        "final_fp8": statistics.fmean(quant[-10:]),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("parts", nargs="*", help="layers, step, curve (default: all three)")
+    p.add_argument("--tiny", action="store_true", help="smoke run at tiny sizes")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--steps", type=int, default=6, help="timed train steps per recipe (step part)")
+    p.add_argument("--curve-steps", type=int, default=200)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_quantization.json"))
+    a = p.parse_args(argv)
+    a.parts = a.parts or ["layers", "step", "curve"]
+    if set(a.parts) - {"layers", "step", "curve"}:
+        p.error(f"unknown parts {sorted(set(a.parts) - {'layers', 'step', 'curve'})}; choose from layers, step, curve")
+    if not torch.cuda.is_available():
+        print("bench_quantization needs a CUDA GPU", file=sys.stderr)
+        return 1
+    logging.getLogger("llm_training").setLevel(logging.WARNING)
+    report: dict = {"gpu": torch.cuda.get_device_name(), "capability": list(cuda_capability()), "tiny": a.tiny}
+    status = 0
+    print(f"GPU: {report['gpu']} (SM{''.join(map(str, cuda_capability()))}); recipes here: {runnable_recipes()}")
+
+    if "layers" in a.parts:
+        try:
+            rows = bench_layers(a.tiny, a.repeats)
+            report["layers"] = rows
+            flavor = "motif3_small, 1024 tokens" if a.tiny else "motif3_proxy, 8192 tokens x top-8"
+            print(f"per-layer fwd+bwd ({flavor}); cells: ms, speed-up over bf16, output rel. error vs bf16")
+            print(f"{'layer':<34}{'bf16 ms':>9}" + "".join(f"{r:>26}" for r in runnable_recipes()))
+            for row in rows:
+                cells = []
+                for r in runnable_recipes():
+                    v = row.get(r)
+                    cells.append(
+                        f"{v['ms']:7.3f} ms {v['speedup']:4.2f}x e{v['rel_err']:.3f}"
+                        if isinstance(v, dict)
+                        else str(v)[:25]
+                    )
+                print(f"{row['layer']:<34}{row['bf16_ms']:>9.3f}" + "".join(f"{c:>26}" for c in cells))
+        except Exception:  # noqa: BLE001 - keep the other parts
+            print("FAIL layers:\n" + traceback.format_exc()[-1500:])
+            status = 1
+
+    if "step" in a.parts:
+        rows = []
+        for recipe in ("none", "fp8_rowwise"):
+            try:
+                rows.append(bench_step(recipe, a.tiny, a.steps, warmup=3))
+            except Exception:  # noqa: BLE001 - keep the other parts
+                print(f"FAIL step {recipe}:\n" + traceback.format_exc()[-1500:])
+                status = 1
+        report["step"] = rows
+        for r in rows:
+            print(
+                f"step {r['flavor']} {r['recipe']:<12} {r['step_ms']:8.1f} ms  {r['tokens_per_s']:8.0f} tok/s  "
+                f"{r['converted_modules']} modules converted  first loss {r['first_loss']:.3f}  {r['peak_mem_gib']:.1f} GiB"
+            )
+        if len(rows) == 2:
+            report["step_speedup_fp8_rowwise"] = rows[0]["step_ms"] / rows[1]["step_ms"]
+            print(f"step speed-up fp8_rowwise over bf16: {report['step_speedup_fp8_rowwise']:.3f}x")
+
+    if "curve" in a.parts:
+        curves = {}
+        for recipe in ("none", "fp8_rowwise"):
+            try:
+                curves[recipe] = loss_curve(recipe, a.tiny, a.curve_steps)
+            except Exception:  # noqa: BLE001 - keep the other parts
+                print(f"FAIL curve {recipe}:\n" + traceback.format_exc()[-1500:])
+                status = 1
+        report["curves"] = curves
+        if len(curves) == 2:
+            base, quant = curves["none"]["losses"], curves["fp8_rowwise"]["losses"]
+            every = max(1, len(base) // 8)
+            print("curve step " + "".join(f"{s + 1:>7}" for s in range(0, len(base), every)))
+            for name, losses in (("bf16", base), ("fp8_rowwise", quant)):
+                print(f"{name:<11}" + "".join(f"{losses[s]:>7.3f}" for s in range(0, len(losses), every)))
+            summary = curve_summary(base, quant)
+            report["curve_summary"] = summary
+            print(
+                f"loss gap fp8_rowwise - bf16, last quarter: mean {summary['mean_gap_last_quarter']:+.4f}, mean |gap| "
+                f"{summary['mean_abs_gap_last_quarter']:.4f} (bf16 step-to-step noise {summary['bf16_step_noise_last_quarter']:.4f}); "
+                f"final {summary['final_bf16']:.3f} vs {summary['final_fp8']:.3f}; "
+                f"{curves['none']['seconds']:.0f} s + {curves['fp8_rowwise']['seconds']:.0f} s"
+            )
+            if not all(math.isfinite(v) for v in quant):
+                print("FAIL curve: non-finite fp8_rowwise loss")
+                status = 1
+
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {a.out}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The low-precision converter: picks the modules a `[quantize]` config converts and swaps them for their
+low-precision subclasses (`quantization.modules`), on the meta model before parallelization.
+
+Module kinds (`[quantize] convert`):
+  * attention       the GDLA projections wq_a, wq_b, wkv_a, wkv_b, wo
+  * dense_mlp       gate/up/down of the dense layers' and the MTP modules' MLPs
+  * routed_experts  the MoE's grouped experts (both grouped GEMMs)
+  * shared_expert   gate/up/down of the MoE's shared expert
+Never converted, whatever the config: the embedding, the output head and the router gate, GDLA lambda_proj
+and the mHC projections (not nn.Linear: `layers.projection`), the norms, the attention output gate wq_b_gate
+and the MTP input projection (model-spec §9 keeps them in bf16 / fp32).
+
+On CUDA a module converts only when its dims meet the kernel's alignment (`kernels.fits_cuda_kernel`); the others
+stay in high precision and are listed in `skipped`. On CPU (emulation) every selected module converts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from llm_training.layers.attention import GDLAttention
+from llm_training.layers.ffn import FeedForward
+from llm_training.layers.moe import GroupedExperts, MoE
+from llm_training.quantization.kernels import RecipeKernels, fits_cuda_kernel
+from llm_training.quantization.modules import to_low_precision
+
+logger = logging.getLogger(__name__)
+
+MODULE_KINDS = ("attention", "dense_mlp", "routed_experts", "shared_expert")
+ATTENTION_NEVER_CONVERTED = ("wq_b_gate",)  # the elementwise output gate: a gate projection stays high precision
+
+
+def convertible_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(qualified name, module, kind) of every module a recipe may convert, in model order."""
+    shared = {id(m.shared_experts) for m in model.modules() if isinstance(m, MoE) and m.shared_experts is not None}
+    found = []
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, GDLAttention):
+            found += [
+                (prefix + child, sub, "attention")
+                for child, sub in module.named_children()
+                if isinstance(sub, nn.Linear) and child not in ATTENTION_NEVER_CONVERTED
+            ]
+        elif isinstance(module, FeedForward):
+            kind = "shared_expert" if id(module) in shared else "dense_mlp"
+            found += [
+                (prefix + child, sub, kind) for child, sub in module.named_children() if isinstance(sub, nn.Linear)
+            ]
+        elif isinstance(module, GroupedExperts):
+            found.append((name, module, "routed_experts"))
+    return found
+
+
+def gemm_dims(module: nn.Module) -> tuple[int, ...]:
+    if isinstance(module, GroupedExperts):
+        return (*module.gate_up_proj.shape[1:], *module.down_proj.shape[1:])
+    return (module.in_features, module.out_features)
+
+
+@dataclass
+class LowPrecisionConverter:
+    """Converts the modules of `kinds` to `recipe` (a concrete one: mxfp8 / fp8_rowwise / fp8_blockwise).
+    `cuda`: the run's device is CUDA (apply the kernels' shape rule)."""
+
+    recipe: str
+    kinds: tuple[str, ...]
+    hp_weight_grad: bool
+    cuda: bool
+    converted: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def convert(self, model: nn.Module) -> None:
+        kernels = RecipeKernels(self.recipe, self.hp_weight_grad)
+        for name, module, kind in convertible_modules(model):
+            if kind not in self.kinds:
+                continue
+            if self.cuda and not fits_cuda_kernel(self.recipe, *gemm_dims(module)):
+                self.skipped.append(name)
+                continue
+            to_low_precision(module, kernels)
+            self.converted.append(name)
+        if self.cuda and self.recipe == "fp8_blockwise" and "routed_experts" in self.kinds:
+            import importlib.util
+
+            if importlib.util.find_spec("deep_gemm") is None:
+                logger.warning(
+                    "[quantize] fp8_blockwise: deep_gemm is not importable, so the routed experts run torchao's "
+                    "emulated blockwise grouped GEMM (blockwise numerics, no FP8 speed-up); install DeepGEMM or use "
+                    "recipe = 'fp8_rowwise'"
+                )
+        logger.info(
+            "[quantize] %s: %d modules converted (%s)%s",
+            kernels,
+            len(self.converted),
+            ", ".join(self.kinds),
+            f"; {len(self.skipped)} kept in high precision, dims not a multiple of the kernel's alignment: "
+            f"{', '.join(self.skipped[:8])}{' ...' if len(self.skipped) > 8 else ''}"
+            if self.skipped
+            else "",
+        )
+
+
+__all__ = ["ATTENTION_NEVER_CONVERTED", "MODULE_KINDS", "LowPrecisionConverter", "convertible_modules"]

@@ -1,0 +1,188 @@
+"""The GEMMs of one recipe: `linear(x, w)` and `grouped_mm(x, w, offs)`, on CUDA through torchao 0.18, on CPU
+through the emulation (`quantization.emulation`). The device of the input picks the path (static under
+torch.compile). torchao is imported on first CUDA use only.
+
+CUDA kernels (torchao 0.18 API, read from its source):
+  * fp8_rowwise    linear: `torchao.float8.float8_linear.matmul_with_hp_or_float8_args` with the "rowwise"
+                   Float8LinearConfig, i.e. the op `convert_to_float8_training`'s Float8Linear runs; experts: `moe_training._to_fp8_rowwise_then_scaled_grouped_mm`
+                   (`torch._scaled_grouped_mm`), token groups pre-padded to 16 rows (torchao 0.18 must be called
+                   with pad_token_groups_for_grouped_mm=False).
+  * mxfp8 (SM100)  linear: `moe_training.mxfp8_linear._to_mxfp8_then_scaled_mm`; experts:
+                   `moe_training._to_mxfp8_then_scaled_grouped_mm`, both RCEIL scales, kernel preference AUTO,
+                   native `wgrad_with_hp`; token groups pre-padded to 32 rows.
+  * fp8_blockwise  linear: `blockwise_fp8_training.linear.fp8_blockwise_mm` (1x128 x 128x128 `F.scaled_mm`);
+                   experts: `moe_training.blockwise_fp8.grouped_mm._to_fp8_blockwise_then_scaled_grouped_mm`,
+                   which runs DeepGEMM when `deep_gemm` is importable and torchao's emulated grouped GEMM
+                   otherwise; token groups pre-padded to 128 rows.
+High-precision weight gradients: MXFP8 uses torchao's own `wgrad_with_hp`; fp8_rowwise and fp8_blockwise use
+`_HighPrecisionWeightGrad` (forward and dgrad through the recipe's quantized op, wgrad a bf16 (grouped) GEMM),
+which is the emulation's semantics exactly (torchao's "rowwise_with_gw_hp" linear recipe would instead scale
+the dgrad weight tensorwise).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from llm_training.layers.moe import _ContiguousGrad
+from llm_training.quantization.emulation import emulated_grouped_mm, emulated_linear
+
+GROUP_MULTIPLE = {"fp8_rowwise": 16, "mxfp8": 32, "fp8_blockwise": 128}  # token-group alignment of the kernel
+DIM_MULTIPLE = {"fp8_rowwise": 16, "mxfp8": 32, "fp8_blockwise": 128}  # in/out features the CUDA kernels need
+TORCHAO_INSTALL = "pip install torchao==0.18.0 (pinned by the repo's gpu and dev extras)"
+
+
+def fits_cuda_kernel(recipe: str, *dims: int) -> bool:
+    """Whether every GEMM dim (in and out features) meets the CUDA kernel's alignment."""
+    return all(d % DIM_MULTIPLE[recipe] == 0 for d in dims)
+
+
+def _column_major(b_EKN: torch.Tensor) -> torch.Tensor:
+    """The per-expert column-major layout the scaled grouped GEMMs need for their right operand."""
+    return b_EKN if b_EKN.stride(-2) == 1 else b_EKN.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
+def _zero_past_last_group(y_NO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """Rows past offs[-1] (the padding buffer's slack) are not written by the scaled grouped GEMMs: make them 0."""
+    rows = torch.arange(y_NO.shape[0], device=y_NO.device)
+    return torch.where((rows < offs_E[-1])[:, None], y_NO, torch.zeros((), dtype=y_NO.dtype, device=y_NO.device))
+
+
+@functools.cache
+def _float8_rowwise_configs():
+    """(Float8LinearConfig, LinearMMConfig) of torchao's "rowwise" recipe, as Float8Linear builds them."""
+    from torchao.float8.config import Float8LinearConfig
+    from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+    c = Float8LinearConfig.from_recipe_name("rowwise")
+    mm = LinearMMConfig(
+        *(
+            ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim)
+            for g in (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)
+        )
+    )
+    return c, mm
+
+
+def _cuda_linear(recipe: str, x_NK: torch.Tensor, w_OK: torch.Tensor, hp_weight_grad: bool) -> torch.Tensor:
+    if recipe == "mxfp8":
+        from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.quantization.quantize_.common import KernelPreference
+
+        return _to_mxfp8_then_scaled_mm(
+            x_NK, w_OK, KernelPreference.AUTO, ScaleCalculationMode.RCEIL, wgrad_with_hp=hp_weight_grad
+        )
+    if hp_weight_grad:
+        op = functools.partial(_cuda_linear, recipe, hp_weight_grad=False)
+        return _HighPrecisionWeightGrad.apply(x_NK, w_OK, None, lambda a, b, offs: op(a, b))
+    if recipe == "fp8_rowwise":
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+        config, mm_config = _float8_rowwise_configs()
+        return matmul_with_hp_or_float8_args.apply(x_NK, w_OK.t(), mm_config, config)
+    from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
+
+    return fp8_blockwise_mm.apply(x_NK, w_OK.contiguous(), 128, x_NK.dtype, False)
+
+
+def _cuda_grouped_mm(
+    recipe: str, x_NK: torch.Tensor, w_EOK: torch.Tensor, offs_E: torch.Tensor, hp_weight_grad: bool
+) -> torch.Tensor:
+    x_NK = x_NK.contiguous()
+    b_t = _column_major(w_EOK.transpose(-2, -1))
+    if recipe == "mxfp8":
+        from torchao.prototype.moe_training import _to_mxfp8_then_scaled_grouped_mm
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.quantization.quantize_.common import KernelPreference
+
+        y = _to_mxfp8_then_scaled_grouped_mm(
+            x_NK,
+            b_t,
+            offs_E,
+            out_dtype=x_NK.dtype,
+            kernel_preference=KernelPreference.AUTO,
+            wgrad_with_hp=hp_weight_grad,
+            scale_calculation_mode=ScaleCalculationMode.RCEIL,
+            pad_token_groups_for_grouped_mm=False,
+        )
+        return _zero_past_last_group(y, offs_E)
+    if hp_weight_grad:
+        op = functools.partial(_cuda_grouped_mm, recipe, hp_weight_grad=False)
+        return _HighPrecisionWeightGrad.apply(x_NK, w_EOK, offs_E, lambda a, b, offs: op(a, b, offs))
+    if recipe == "fp8_rowwise":
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+        y = _to_fp8_rowwise_then_scaled_grouped_mm(
+            x_NK, b_t, offs_E, out_dtype=x_NK.dtype, pad_token_groups_for_grouped_mm=False
+        )
+    else:
+        from torchao.prototype.moe_training.blockwise_fp8.grouped_mm import _to_fp8_blockwise_then_scaled_grouped_mm
+
+        y = _to_fp8_blockwise_then_scaled_grouped_mm(
+            x_NK, b_t, offs_E, out_dtype=x_NK.dtype, block_size=128, pad_token_groups_for_grouped_mm=False
+        )
+    return _zero_past_last_group(y, offs_E)
+
+
+class _HighPrecisionWeightGrad(torch.autograd.Function):
+    """y = op(x, w[, offs]) with `op` a quantized GEMM (x w^T, per group when offs is given); dgrad through
+    the same quantized op on (dy, w^T), wgrad dy^T x in the input's precision (torch._grouped_mm per group)."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs, op):
+        ctx.save_for_backward(x, w, offs)
+        ctx.op = op
+        with torch.no_grad():
+            return op(x, w, offs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, offs = ctx.saved_tensors
+        g = g.contiguous()
+        with torch.no_grad():
+            grad_x = ctx.op(g, w.transpose(-2, -1), offs)
+            if offs is None:
+                grad_w = g.t() @ x
+            else:
+                grad_w = torch._grouped_mm(g.t(), x, offs=offs)
+        return grad_x, grad_w.to(w.dtype), None, None
+
+
+class RecipeKernels:
+    """The linear and grouped GEMMs of one recipe, and the token-group alignment its grouped GEMM needs."""
+
+    def __init__(self, recipe: str, hp_weight_grad: bool):
+        self.recipe, self.hp_weight_grad = recipe, hp_weight_grad
+        self.group_multiple = GROUP_MULTIPLE[recipe]
+
+    # On CUDA the output's gradient is made contiguous first: torchao's quantization kernels require it (the
+    # stride-0 gradient of e.g. `.sum()` is not).
+    def linear(self, x_NK: torch.Tensor, w_OK: torch.Tensor) -> torch.Tensor:
+        if x_NK.is_cuda:
+            return _ContiguousGrad.apply(_cuda_linear(self.recipe, x_NK, w_OK, self.hp_weight_grad))
+        return emulated_linear(x_NK, w_OK, self.recipe, self.hp_weight_grad)
+
+    def grouped_mm(self, x_NK: torch.Tensor, w_EOK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        if x_NK.is_cuda:
+            return _ContiguousGrad.apply(_cuda_grouped_mm(self.recipe, x_NK, w_EOK, offs_E, self.hp_weight_grad))
+        return emulated_grouped_mm(x_NK, w_EOK, offs_E, self.recipe, self.hp_weight_grad)
+
+    def __repr__(self) -> str:
+        return f"RecipeKernels({self.recipe!r}, hp_weight_grad={self.hp_weight_grad})"
+
+
+def torchao_problem() -> str | None:
+    """Why torchao 0.18's low-precision training modules cannot be imported, or None."""
+    try:
+        import torchao  # noqa: F401
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args  # noqa: F401
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken install raising at import
+        return f"torchao is not importable ({type(e).__name__}: {e}); install it: {TORCHAO_INSTALL}"
+    return None
+
+
+__all__ = ["DIM_MULTIPLE", "GROUP_MULTIPLE", "RecipeKernels", "fits_cuda_kernel", "torchao_problem"]
