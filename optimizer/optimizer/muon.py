@@ -11,18 +11,19 @@ scaled) separately — used for the fused expert `gate_up_proj` [E, 2I, H] (gate
 
 One step, in launches (model-spec §8.1 arithmetic: momentum, norms, division and update in fp32; the NS
 input stored and iterated in the NS dtype, bf16 on CUDA):
-  1. momentum `M <- mu M + G` and decoupled decay `W <- (1 - lr wd) W`: `torch._foreach_*` over every
-     parameter of a group (decay first is exact: the NS input does not depend on W).
-  2. Matrices are bucketed by their wide shape [min(r, c), max(r, c)] (r = rows / row_split): the same
+  1. Matrices are bucketed by their wide shape [min(r, c), max(r, c)] (r = rows / row_split) and lr: the same
      bucket takes `wq_a` of every layer, the gate and up halves of every expert stack, and `down_proj`
      [E, H, I] transposed next to `gate_up_proj`'s [I, H] halves; the Moonlight scale depends only on
-     max(r, c), so it is one number per bucket. Each parameter writes its Nesterov input `G + mu M`
-     (computed in fp32) straight into its slots of the bucket's stack [N, m, k] in the NS dtype (tall ones
-     through a transposed view): one kernel per parameter, no intermediate tensor, no separate cast.
+     max(r, c), so `-lr * scale` is one number per bucket.
+  2. Per parameter, two elementwise kernels: momentum `M <- G + mu M` (one `add` written into M), then the
+     Nesterov input `G + mu M` (fp32 arithmetic) written straight into the parameter's slots of the bucket's
+     stack [N, m, k] in the NS dtype (tall ones through a transposed view): no intermediate tensor, no cast.
   3. One Newton-Schulz per bucket (up to 2^27 elements; a parameter is never split): Frobenius norms
      accumulated in fp32, division in fp32 arithmetic in place on the stack, iterations in the NS dtype,
-     every product one batched matmul over the N matrices.
-  4. `W += -lr * scale * O`: one `add_` per parameter reading the bf16 result directly (no cast copy).
+     every product one batched matmul over the N matrices; the last product also applies `-lr * scale`
+     (baddbmm's alpha / beta), so the stack holds the finished update `D = -lr * scale * O`.
+  4. Decay and update in one kernel per parameter: `W <- D + (1 - lr wd) W` (one `add` written into W,
+     reading the bf16 stack directly; fp32 arithmetic).
 
 Placement rules (what decides the communication):
   * plain tensor or fully replicated DTensor: orthogonalise locally.
@@ -36,7 +37,7 @@ Placement rules (what decides the communication):
     elements): an all-to-all sends every rank's rows of the Nesterov input (written straight into the send
     buffer in `comm_dtype`) to their owners, each owner places the rows of its matrices of the chunk into one
     stack and runs one batched NS, a second all-to-all returns each rank's rows of the result, and every rank
-    applies the update to its local rows (the decay was applied in step 1).
+    applies decay + update to its local rows in one kernel (step 4).
     The gather of chunk i+1 is issued (async) before NS of chunk i, so communication overlaps compute,
     and the first gather is in flight while the local (unsharded / expert) matrices are orthogonalised.
     Every rank of the group must hold gradients for the same row-sharded parameters (FSDP2 guarantees
@@ -122,12 +123,20 @@ class _Entry:
         return update_scale(self.rows, self.cols)
 
 
-def _write_nesterov(out: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
-    """out <- G + mu M (Nesterov) or M, in out's dtype, without an intermediate tensor."""
+def _momentum_and_nesterov(out: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
+    """M <- G + mu M (in place, one kernel); out <- G + mu M (Nesterov) or M, in out's dtype, fp32 arithmetic,
+    without an intermediate tensor."""
+    mu = group["momentum"]
+    torch.add(grad, buf, alpha=mu, out=buf)
     if group["nesterov"]:
-        torch.add(grad, buf, alpha=group["momentum"], out=out)
+        torch.add(grad, buf, alpha=mu, out=out)
     else:
         out.copy_(buf)
+
+
+def _decay_and_update(p_local: torch.Tensor, delta: torch.Tensor, group: dict) -> None:
+    """W <- delta + (1 - lr wd) W in one kernel (`delta` = -lr * scale * O, any float dtype; fp32 arithmetic)."""
+    torch.add(delta, p_local, alpha=1.0 - group["lr"] * group["weight_decay"], out=p_local)
 
 
 def _block_rows(total_rows: int, row_split: int, r0: int, r1: int):
@@ -206,9 +215,12 @@ class Muon(torch.optim.Optimizer):
     def _ns_dtype(self, t: torch.Tensor) -> torch.dtype:
         return self.ns_dtype or default_ns_dtype(t.device)
 
-    def _orthogonalise(self, stack: torch.Tensor, ns_steps: int) -> torch.Tensor:
-        """NS of a bucket stack [N, m, k] (overwritten); [N, m, k] in the NS dtype."""
-        return orthogonalise_wide_(stack, ns_steps, self.ns_coefficients, self.eps)
+    def _update_stack(self, stack: torch.Tensor, entries: list[_Entry]) -> torch.Tensor:
+        """NS of a bucket stack [N, m, k] (overwritten), times the bucket's -lr * scale: [N, m, k] in the NS
+        dtype, the finished update of every matrix."""
+        e = entries[0]
+        scale = -e.group["lr"] * e.scale()
+        return orthogonalise_wide_(stack, e.group["ns_steps"], self.ns_coefficients, self.eps, out_scale=scale)
 
     def _new_stack(self, entries: list[_Entry], device: torch.device) -> torch.Tensor:
         """An uninitialised stack for `entries` (wide shape shared), setting each entry's start slot."""
@@ -244,11 +256,6 @@ class Muon(torch.optim.Optimizer):
             for p in params:
                 if "momentum_buffer" not in self.state[p]:
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            bufs = [local(self.state[p]["momentum_buffer"]) for p in params]
-            torch._foreach_mul_(bufs, group["momentum"])
-            torch._foreach_add_(bufs, [local(p.grad) for p in params])
-            if group["weight_decay"]:
-                torch._foreach_mul_([local(p) for p in params], 1.0 - group["lr"] * group["weight_decay"])
             split = group["row_split"]
             for p in params:
                 rows, cols = _matrix_shape(p.shape, split)
@@ -256,7 +263,7 @@ class Muon(torch.optim.Optimizer):
                 if p.ndim == 3 or not mesh_dims:
                     entry = _Entry(p, group, local(p).shape[:-2].numel() * split, rows, cols)
                     if entry.count:  # an expert shard may hold zero experts
-                        key = (entry.wide_shape, local(p).device, group["ns_steps"])
+                        key = (entry.wide_shape, local(p).device, group["ns_steps"], group["lr"])
                         buckets.setdefault(key, []).append(entry)
                 else:
                     key = (id(p.device_mesh), mesh_dims[0])
@@ -274,15 +281,16 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _step_local(self, entries: list[_Entry]) -> None:
-        """One bucket batch: Nesterov inputs into the stack, one NS, one update per parameter."""
+        """One bucket batch: momentum + Nesterov inputs into the stack, one NS (update scale folded in), one
+        decay + update kernel per parameter."""
         stack = self._new_stack(entries, local(entries[0].param).device)
         for e in entries:
             shape = (e.count, e.rows, e.cols)
-            grad, buf = local(e.param.grad).reshape(shape), local(self.state[e.param]["momentum_buffer"]).reshape(shape)
-            _write_nesterov(e.slots(stack), grad, buf, e.group)
-        ortho = self._orthogonalise(stack, entries[0].group["ns_steps"])
+            grad, buf = local(e.param.grad).reshape(shape), local(self.state[e.param]["momentum_buffer"]).view(shape)
+            _momentum_and_nesterov(e.slots(stack), grad, buf, e.group)
+        delta = self._update_stack(stack, entries)
         for e in entries:
-            local(e.param).view(e.count, e.rows, e.cols).add_(e.slots(ortho), alpha=-e.group["lr"] * e.scale())
+            _decay_and_update(local(e.param).view(e.count, e.rows, e.cols), e.slots(delta), e.group)
 
     # ------------------------------------------------------------------ distributed (owner) path
     def _sharded_pipeline(self, entries: list[_Entry]):
@@ -304,7 +312,7 @@ class Muon(torch.optim.Optimizer):
         by_shape: dict[tuple, list[_Entry]] = {}
         for i in order:
             e = entries[i]
-            by_shape.setdefault((e.wide_shape, e.group["ns_steps"]), []).append(e)
+            by_shape.setdefault((e.wide_shape, e.group["ns_steps"], e.group["lr"]), []).append(e)
         chunks = []
         for same in by_shape.values():
             per_chunk = world * max(1, _LOCAL_BATCH_ELEMENTS // same[0].param.numel())
@@ -333,7 +341,7 @@ class Muon(torch.optim.Optimizer):
             for dst in range(world):
                 for e in (e for e in chunk if e.owner == dst):
                     g, buf = local(e.param.grad), local(self.state[e.param]["momentum_buffer"])
-                    _write_nesterov(send[offset : offset + g.numel()].view(g.shape), g, buf, e.group)
+                    _momentum_and_nesterov(send[offset : offset + g.numel()].view(g.shape), g, buf, e.group)
                     offset += g.numel()
             return all_to_all(send, in_split, out_split)
 
@@ -353,7 +361,7 @@ class Muon(torch.optim.Optimizer):
                     slots = e.slots(stack)
                     for block, at, first, n in _block_rows(e.param.shape[0], e.count, r0, r1):
                         slots[block, at : at + n].copy_(rows_from_src[first : first + n])
-            return owned, self._orthogonalise(stack, owned[0].group["ns_steps"])
+            return owned, self._update_stack(stack, owned)
 
         def launch_scatter(chunk, owned, ortho):
             """Each rank's rows of the owned results back to it."""
@@ -379,7 +387,7 @@ class Muon(torch.optim.Optimizer):
                     p_local = local(e.param)
                     ortho_local = pieces[src][offset : offset + p_local.numel()].view(p_local.shape)
                     offset += p_local.numel()
-                    p_local.add_(ortho_local, alpha=-e.group["lr"] * e.scale())
+                    _decay_and_update(p_local, ortho_local, e.group)
 
         gathers = [launch_gather(chunks[0])]
         yield

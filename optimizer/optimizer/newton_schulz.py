@@ -57,18 +57,20 @@ def gram(x: torch.Tensor, add: torch.Tensor | None = None, alpha: float = 1.0, b
 
 
 def orthogonalise_wide_(
-    x: torch.Tensor, steps: int, coefficients: tuple[float, float, float], eps: float
+    x: torch.Tensor, steps: int, coefficients: tuple[float, float, float], eps: float, out_scale: float = 1.0
 ) -> torch.Tensor:
     """NS of a contiguous stack of wide matrices `x` [N, m, k] (m <= k) in the NS dtype (x.dtype), which it
     overwrites with the normalised input: Frobenius norms accumulated in fp32 (at least), the division done in
-    fp32 arithmetic and stored in place. Returns [N, m, k] in x.dtype."""
+    fp32 arithmetic and stored in place. Returns `out_scale` * NS(x), [N, m, k] in x.dtype; the scale is
+    applied inside the last product (baddbmm's alpha and beta), so it costs no extra pass."""
     a, b, c = coefficients
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32))
     x = x.div_(norm.add_(eps))  # [N, 1, 1] fp32 divisor: fp32 arithmetic, stored in x.dtype
-    for _ in range(steps):
+    for step in range(steps):
+        s = out_scale if step == steps - 1 else 1.0
         p = gram(x)  # P = X X^T   [N, m, m]
         poly = gram(p, add=p, alpha=c, beta=b)  # b P + c P^2   (P symmetric => P P^T = P^2)
-        x = torch.baddbmm(x, poly, x, beta=a)  # a X + poly X
+        x = torch.baddbmm(x, poly, x, beta=a * s, alpha=s)  # s (a X + poly X)
     return x
 
 
