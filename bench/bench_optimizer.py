@@ -2,17 +2,19 @@
 random gradients) with Muon + AdamW vs AdamW only, (2) Newton-Schulz throughput (5 steps, bf16) at the
 model's main matrix shapes with the PyTorch X X^T vs the Triton upper-triangle kernel, and (3) the Muon step
 of `--muon-flavor` (default motif3_proxy: its real Muon parameter set, built on meta, `to_empty` on CUDA, fp32,
-random weights and gradients) with the earlier per-shape path (`per_shape_muon_step` below: main@1c6e804's
-single-device step, kept here only for this comparison) and the package's batched `Muon.step`, side by side.
+random weights and gradients) three ways: the earlier per-shape path (`per_shape_muon_step` below: main@1c6e804's
+single-device step), the first batched step (`batched_foreach_step`: one NS per wide shape, `_foreach`
+elementwise passes; both kept here only for this comparison) and the package's `Muon.step` ("fused": the update
+scale folded into the last NS product, momentum and decay + update one kernel each per parameter).
 
 Usage (H200):  python bench/bench_optimizer.py [--flavor motif3_small] [--muon-flavor motif3_proxy]
                [--repeats 10] [--out bench_optimizer.json]
 Prints three tables and writes JSON. Checks first: NS with Triton agrees with NS with PyTorch (relative
 Frobenius difference < 2e-2, both bf16), the model step leaves finite parameters, and one batched Muon step
-and one per-shape step from the same weights and zero momentum give the same update (largest per-parameter
-relative Frobenius difference < 5e-2: both bf16 NS; the batched path normalises in fp32 before the cast, the
-old one after it); then times with CUDA events after warm-up (median of the repeats). Case (3) prints
-both step times, old / new, and the NS TFLOP/s each step reaches (5 x (4 m^2 k + 2 m^3) per [m, k] matrix,
+and a per-shape / first-batched step from the same weights and zero momentum give the same update as the
+package step (largest per-parameter relative Frobenius difference < 5e-2: all bf16 NS; the batched paths
+normalise in fp32 before the cast, the old one after it); then times with CUDA events after warm-up (median of the repeats). Case (3) prints
+the three step times, their ratios, and the NS TFLOP/s each step reaches (5 x (4 m^2 k + 2 m^3) per [m, k] matrix,
 m <= k, over the whole step), and the NS calls alone on stacks of the batched step's shapes (the matmul
 floor: batched step minus NS-only is the momentum / Nesterov / update memory traffic and launch overhead).
 
@@ -173,21 +175,56 @@ def per_shape_muon_step(muon: Muon, batch_elements: int = 1 << 27) -> None:
 
 
 @torch.no_grad()
-def same_update_check(muon: Muon, params: list[torch.Tensor]) -> float:
-    """One batched and one per-shape step from the same weights and zero momentum (weights restored after);
+def batched_foreach_step(muon: Muon) -> None:
+    """The first batched step (135dd80^, kept here only for this comparison): `_foreach` momentum and decay
+    passes over every parameter, the Nesterov input into the bucket stack, NS without the folded scale, one
+    `add_` per parameter. Same buckets and NS as the package; 48 instead of 32 bytes of elementwise traffic."""
+    buckets: dict[tuple, list[_Entry]] = {}
+    for group in muon.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            if "momentum_buffer" not in muon.state[p]:
+                muon.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        bufs = [muon.state[p]["momentum_buffer"] for p in params]
+        torch._foreach_mul_(bufs, group["momentum"])
+        torch._foreach_add_(bufs, [p.grad for p in params])
+        if group["weight_decay"]:
+            torch._foreach_mul_(params, 1.0 - group["lr"] * group["weight_decay"])
+        for p in params:
+            rows, cols = p.shape[-2] // group["row_split"], p.shape[-1]
+            entry = _Entry(p, group, p.shape[:-2].numel() * group["row_split"], rows, cols)
+            buckets.setdefault((entry.wide_shape, group["ns_steps"], group["lr"]), []).append(entry)
+    for entries in buckets.values():
+        for batch in _batches(entries):
+            stack = muon._new_stack(batch, batch[0].param.device)  # noqa: SLF001 - same stack layout
+            for e in batch:
+                shape = (e.count, e.rows, e.cols)
+                g, buf = e.param.grad.reshape(shape), muon.state[e.param]["momentum_buffer"].view(shape)
+                if e.group["nesterov"]:
+                    torch.add(g, buf, alpha=e.group["momentum"], out=e.slots(stack))
+                else:
+                    e.slots(stack).copy_(buf)
+            ortho = orthogonalise_wide_(stack, batch[0].group["ns_steps"], muon.ns_coefficients, muon.eps)
+            for e in batch:
+                e.param.view(e.count, e.rows, e.cols).add_(e.slots(ortho), alpha=-e.group["lr"] * e.scale())
+
+
+@torch.no_grad()
+def same_update_check(muon: Muon, params: list[torch.Tensor], other_step) -> float:
+    """One package step and one `other_step` from the same weights and zero momentum (weights restored after);
     returns the largest per-parameter relative Frobenius difference of the two updates."""
     start = [p.clone() for p in params]
     muon.state.clear()
     muon.step()
-    batched_updates = [p - p0 for p, p0 in zip(params, start)]
+    package_updates = [p - p0 for p, p0 in zip(params, start)]
     for p, p0 in zip(params, start):
         p.copy_(p0)
     muon.state.clear()
-    per_shape_muon_step(muon)
+    other_step(muon)
     rel = 0.0
-    for p, p0, batched in zip(params, start, batched_updates):
-        per_shape = p - p0
-        rel = max(rel, float((batched - per_shape).norm() / per_shape.norm()))
+    for p, p0, ours in zip(params, start, package_updates):
+        other = p - p0
+        rel = max(rel, float((ours - other).norm() / other.norm()))
         p.copy_(p0)
     muon.state.clear()
     return rel
@@ -247,14 +284,21 @@ def ns_only_ms(muon: Muon, repeats: int) -> float:
 
 
 def bench_muon_paths(flavor: str, repeats: int) -> dict:
-    """Case (3): the Muon step of `flavor`'s Muon parameters, per-shape (old) vs batched (package)."""
+    """Case (3): the Muon step of `flavor`'s Muon parameters: per-shape (main@1c6e804), batched (first batched
+    step, `_foreach` elementwise passes), fused (the package: folded scale, one-add momentum and update)."""
     muon, muon_params, shapes, ns_tflop = muon_case(flavor, "cuda")
-    rel = same_update_check(muon, muon_params)
-    if rel > 5e-2:
-        raise AssertionError(f"batched and per-shape Muon steps differ: max relative update difference {rel:.3g}")
+    rel_per_shape = same_update_check(muon, muon_params, per_shape_muon_step)
+    rel_batched = same_update_check(muon, muon_params, batched_foreach_step)
+    if max(rel_per_shape, rel_batched) > 5e-2:
+        raise AssertionError(
+            f"Muon paths differ: max relative update difference vs per-shape {rel_per_shape:.3g}, "
+            f"vs batched {rel_batched:.3g}"
+        )
     torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
     per_shape_ms = statistics.median(cuda_time_ms(lambda: per_shape_muon_step(muon), 2, repeats))
-    batched_ms = statistics.median(cuda_time_ms(muon.step, 2, repeats))
+    batched_ms = statistics.median(cuda_time_ms(lambda: batched_foreach_step(muon), 2, repeats))
+    fused_ms = statistics.median(cuda_time_ms(muon.step, 2, repeats))
     ns_ms = ns_only_ms(muon, repeats)
     return {
         "flavor": flavor,
@@ -264,12 +308,14 @@ def bench_muon_paths(flavor: str, repeats: int) -> dict:
         "ns_tflop_per_step": ns_tflop,
         "per_shape_ms": per_shape_ms,
         "batched_ms": batched_ms,
-        "speedup": per_shape_ms / batched_ms,
+        "fused_ms": fused_ms,
+        "ns_only_ms": ns_ms,
         "per_shape_ns_tflops": ns_tflop / per_shape_ms * 1e3,
         "batched_ns_tflops": ns_tflop / batched_ms * 1e3,
-        "ns_only_ms": ns_ms,
-        "ns_only_tflops": ns_tflop / ns_ms * 1e3,
-        "max_rel_update_diff": rel,
+        "fused_ns_tflops": ns_tflop / fused_ms * 1e3,
+        "ns_only_ns_tflops": ns_tflop / ns_ms * 1e3,
+        "max_rel_update_diff_vs_per_shape": rel_per_shape,
+        "max_rel_update_diff_vs_batched": rel_batched,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
 
@@ -301,14 +347,16 @@ def main() -> None:
     paths = bench_muon_paths(opts.muon_flavor, opts.repeats)
     print(
         f"\nMuon step, {opts.muon_flavor} ({paths['muon_tensors']} tensors, {paths['muon_params'] / 1e9:.2f}B params, "
-        f"{paths['ns_tflop_per_step']:.1f} NS TFLOP; max rel. update diff {paths['max_rel_update_diff']:.2g})"
+        f"{paths['ns_tflop_per_step']:.1f} NS TFLOP; max rel. update diff vs per-shape "
+        f"{paths['max_rel_update_diff_vs_per_shape']:.2g}, vs batched {paths['max_rel_update_diff_vs_batched']:.2g})"
     )
     print(f"{'path':<12}{'step ms':>10}{'NS TFLOP/s':>12}")
-    print(f"{'per-shape':<12}{paths['per_shape_ms']:>10.1f}{paths['per_shape_ns_tflops']:>12.1f}")
-    print(f"{'batched':<12}{paths['batched_ms']:>10.1f}{paths['batched_ns_tflops']:>12.1f}")
-    print(f"{'NS only':<12}{paths['ns_only_ms']:>10.1f}{paths['ns_only_tflops']:>12.1f}")
+    for name in ("per_shape", "batched", "fused", "ns_only"):
+        print(f"{name:<12}{paths[name + '_ms']:>10.1f}{paths[name + '_ns_tflops']:>12.1f}")
     print(
-        f"old / new: {paths['speedup']:.2f}x; batched step - NS only = {paths['batched_ms'] - paths['ns_only_ms']:.1f} ms"
+        f"per-shape / fused: {paths['per_shape_ms'] / paths['fused_ms']:.2f}x, batched / fused: "
+        f"{paths['batched_ms'] / paths['fused_ms']:.2f}x; fused step - NS only = "
+        f"{paths['fused_ms'] - paths['ns_only_ms']:.1f} ms"
     )
     result = {
         "device": torch.cuda.get_device_name(),
