@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimizer import Muon, newton_schulz
@@ -40,9 +39,8 @@ def _run(opt, params, grads):
 
 @pytest.mark.parametrize("nesterov,batch_limit", [(True, None), (False, None), (True, 2000)])
 def test_matches_torch_muon(monkeypatch, nesterov, batch_limit):
-    import torch.optim._muon as torch_muon
-
     import optimizer.muon
+    import torch.optim._muon as torch_muon
 
     monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", _ns_fp32_reference)
     if batch_limit is not None:  # force several batches per shape (same-shape params are batched)
