@@ -215,9 +215,38 @@ def test_bf16_linear_ce_close_to_fp64_reference_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bf16_linear_ce_close_to_fp64_reference_cuda():
-    """The CUDA path: fp32 logits out of the GEMM and the weight gradient accumulated in fp32 inside it."""
+def test_cuda_has_fp32_out_gemms():
+    """The fast path's GEMMs (bf16 x bf16 -> fp32 `mm` / `baddbmm` into an fp32 buffer) run on this torch."""
     from llm_training.trainer.losses import _fp32_out_gemms
 
     assert _fp32_out_gemms(torch.device("cuda")), "bf16 x bf16 -> fp32 GEMMs (mm / baddbmm out_dtype) unavailable"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_linear_ce_close_to_fp64_reference_cuda():
+    """The CUDA path (fp32 logits out of the GEMM, weight gradient accumulated in fp32 inside it, or the
+    fallback where torch lacks those GEMMs)."""
     _bf16_case("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_chunk_arithmetic_matches_eager_cuda():
+    """`compiled=True` (the chunk's softmax / one-hot / weight / cast under torch.compile) == eager, two heads."""
+    g = torch.Generator().manual_seed(5)
+    hs = [torch.randn(n, 64, generator=g).cuda().to(torch.bfloat16) for n in (300, 200)]
+    ys = [torch.randint(0, 5000, (n,), generator=g).cuda() for n in (300, 200)]
+    ys[0][::4] = IGNORE_INDEX
+    w = (torch.randn(5000, 64, generator=g) * 0.5).cuda().to(torch.bfloat16)
+    results = []
+    for compiled in (False, True):
+        h1 = [h.clone().requires_grad_() for h in hs]
+        w1 = w.clone().requires_grad_()
+        total, sums = linear_cross_entropy_segments(
+            h1, w1, ys, [1 / 225, 0.3 / 200], chunk_tokens=128, compiled=compiled
+        )
+        total.backward()
+        results.append((total.detach(), sums, w1.grad.float(), torch.cat([h.grad for h in h1]).float()))
+    for eager, comp in zip(*results):
+        torch.testing.assert_close(comp, eager, rtol=2e-2, atol=1e-5)
