@@ -110,7 +110,7 @@ def run_case(heads: int, T: int, V: int, H: int, repeats: int) -> list[dict]:
     labels = [torch.randint(0, V, (T,), device="cuda", generator=gen) for _ in range(heads)]
     for y in labels:
         y[::7] = IGNORE_INDEX
-    weights = [1.0 / T] + [0.3 / (heads - 1) / T] * (heads - 1)
+    weights = [1.0 / T] + [0.3 / max(heads - 1, 1) / T] * (heads - 1)  # main + mtp_loss_weight 0.3
     chunk = default_chunk_tokens(V)
     rows, ref = [], None
     for name, fn in variants(chunk).items():
