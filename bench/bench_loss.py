@@ -128,7 +128,7 @@ def run_case(heads: int, T: int, V: int, H: int, repeats: int) -> list[dict]:
             grads = (weight.grad.float(), torch.cat([h.grad for h in hiddens]).float())
             if name == "new":
                 ref = (loss.detach(), *grads)
-            row = {"variant": name, "heads": heads, "tokens_per_head": T, "loss": float(loss)}
+            row = {"variant": name, "heads": heads, "tokens_per_head": T, "loss": loss.item()}
             if ref is not None:
                 row["loss_rel_diff_vs_new"] = float((loss.detach() - ref[0]).abs() / ref[0].abs())
                 row["w_grad_rel_diff_vs_new"] = float((grads[0] - ref[1]).norm() / ref[1].norm())
