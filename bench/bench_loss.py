@@ -5,7 +5,7 @@
              bf16 logits GEMM + fp32 cast, and the weight gradient as a bf16 GEMM, an fp32 cast copy of the
              full [V, H] product and an fp32 `+=`; one pass (and one fp32 [V, H] buffer) per loss head;
   * new:     `llm_training.trainer.losses` (fp32 logits out of the GEMM, the weight gradient accumulated in fp32
-             inside the GEMM; main + MTP heads in one pass);
+             inside the GEMM; main + MTP heads in one pass); new_chunk2x: the same with twice the default chunk;
   * liger:   liger-kernel's `LigerFusedLinearCrossEntropyLoss(reduction="sum")` as main used it (accum_dtype
              None: the [V, H] weight gradient accumulated in bf16 across its chunks), and with
              accum_dtype=float32 (fp32 accumulation via addmm out_dtype), when liger is importable.
@@ -93,7 +93,10 @@ def variants(chunk: int) -> dict:
     def new(hs, w, ys, ws):
         return linear_cross_entropy_segments(hs, w, ys, ws, chunk_tokens=chunk)[0]
 
-    out = {"new": new, "old": old}  # new first: the others are compared against it
+    def new_chunk2x(hs, w, ys, ws):  # fewer [V, H] accumulations for one more GiB of logits
+        return linear_cross_entropy_segments(hs, w, ys, ws, chunk_tokens=2 * chunk)[0]
+
+    out = {"new": new, "new_chunk2x": new_chunk2x, "old": old}  # new first: the others are compared against it
     for name, accum in (("liger_bf16_accum", None), ("liger_fp32_accum", torch.float32)):
         fn = _liger(accum)
         if fn is not None:
