@@ -326,15 +326,17 @@ def main() -> None:
     parser.add_argument("--muon-flavor", default="motif3_proxy")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", default="bench_optimizer.json")
+    parser.add_argument("--skip-ns-table", action="store_true", help="skip case (2) (smoke runs: no Triton compiles)")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_optimizer.py needs a CUDA GPU")
     model_args = get_flavor(opts.flavor)
-    ns_rows = bench_ns(model_args, opts.repeats)
-    print(
-        f"\nNewton-Schulz ({NS_STEPS} steps, bf16) at {opts.flavor} shapes; triton available: {triton_gram.available()}"
-    )
-    print(f"{'matrix':<22}{'shape':<22}{'torch ms':>10}{'TFLOP/s':>9}{'triton ms':>11}{'TFLOP/s':>9}")
+    ns_rows = [] if opts.skip_ns_table else bench_ns(model_args, opts.repeats)
+    if ns_rows:
+        print(
+            f"\nNewton-Schulz ({NS_STEPS} steps, bf16) at {opts.flavor} shapes; triton available: {triton_gram.available()}"
+        )
+        print(f"{'matrix':<22}{'shape':<22}{'torch ms':>10}{'TFLOP/s':>9}{'triton ms':>11}{'TFLOP/s':>9}")
     for r in ns_rows:
         tri = f"{r['triton_ms']:>11.3f}{r['triton_tflops']:>9.1f}" if "triton_ms" in r else f"{'-':>11}{'-':>9}"
         print(f"{r['matrix']:<22}{str(tuple(r['shape'])):<22}{r['torch_ms']:>10.3f}{r['torch_tflops']:>9.1f}{tri}")

@@ -2,7 +2,7 @@
 # GPU checks and benchmarks of the perf branch (Muon, the linear cross-entropy loss, PolyNorm memory), one H200.
 #   bash scripts/device/perf.sh check   (~60-90 s) gpu tests of optimizer/ and the loss, the PolyNorm
 #                                        saved-tensor test, and a tiny smoke run of each benchmark
-#   bash scripts/device/perf.sh bench   (~3-4 min) bench_optimizer (motif3_small step + NS table; motif3_proxy
+#   bash scripts/device/perf.sh bench   (~3 min) bench_optimizer (motif3_small Muon vs AdamW step; motif3_proxy
 #                                        Muon step: per-shape vs batched vs fused vs NS-only), bench_loss
 #                                        (T=16384, V=220160, H=4096: old vs new chunked vs liger, 1 and 2 heads,
 #                                        fwd+bwd ms and peak memory), bench_polynorm_memory (MoE expert shape)
@@ -44,7 +44,7 @@ case "$MODE" in
       tests/trainer/test_losses.py optimizer/tests/test_muon.py
     step "PolyNorm saved-for-backward test" 30 pytest "${PYTEST[@]}" activations/tests/test_reference.py -k saves
     step "smoke bench_optimizer (motif3_debug)" 60 all \
-      "$PY" bench/bench_optimizer.py --flavor motif3_debug --muon-flavor motif3_debug --repeats 2 \
+      "$PY" bench/bench_optimizer.py --flavor motif3_debug --muon-flavor motif3_debug --repeats 2 --skip-ns-table \
       --out "$TMP/bench_optimizer.json"
     step "smoke bench_loss (T=2048, V=8192, H=512)" 45 all \
       "$PY" bench/bench_loss.py --tokens 2048 --vocab 8192 --hidden 512 --repeats 2 --out "$TMP/bench_loss.json"
@@ -53,7 +53,7 @@ case "$MODE" in
     ;;
   bench)
     step "bench_optimizer (motif3_small; Muon step motif3_proxy)" 150 all \
-      "$PY" bench/bench_optimizer.py --flavor motif3_small --muon-flavor motif3_proxy --repeats 5 \
+      "$PY" bench/bench_optimizer.py --flavor motif3_small --muon-flavor motif3_proxy --repeats 5 --skip-ns-table \
       --out "$TMP/bench_optimizer.json"
     step "bench_loss (T=16384, V=220160, H=4096)" 75 all \
       "$PY" bench/bench_loss.py --repeats 5 --out "$TMP/bench_loss.json"
