@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor
 
 from llm_training.config import ConfigError, validate_for_world_size
 from llm_training.distributed import ParallelDims
+from llm_training.distributed.activation_checkpoint import LONG_CONTEXT_MOE_CHUNK_TOKENS
 
 DOES_NOT_FIT = 3
 GIB = 1 << 30
@@ -426,7 +427,11 @@ def format_rank(r: RankReport) -> str:
         lines.append(_row(f"  activations kept, {count} x {kind}", count * each, f"{_size(each)} each"))
     lines += [
         _row("  activations kept, outside the blocks", a.outside_blocks_bytes),
-        _row("  one block's recomputation (backward)", a.recompute_bytes),
+        _row(
+            "  one block's recomputation (backward)",
+            a.recompute_bytes,
+            f"routed experts in {LONG_CONTEXT_MOE_CHUNK_TOKENS:,}-token chunks" if a.ac_mode == "long_context" else "",
+        ),
         _row(f"  loss buffers, {loss.heads} heads + one chunk", loss.kept_bytes + loss.chunk_bytes),
         _row("+ activation peak: kept + max(loss, recompute)", r.activation_peak_bytes, f"{a.tokens:,} tokens"),
         _row(

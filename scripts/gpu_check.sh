@@ -4,18 +4,14 @@
 # Stages: env, tests (pytest -m gpu over every test folder), bench_activation, bench_model,
 #         bench_optimizer, bench_train, dist2 (2-GPU NCCL tests: tests marked gpu that need 2 devices).
 # Uses the machine's own python3 + torch; our three packages come from the checkout via PYTHONPATH, and
-# optional wheels from .whl/ when present.
+# optional wheels from .whl/ (and .cu13/) when present: scripts/device/wheels.sh.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-$ROOT/bench/results}"
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-export PYTHONPATH="$ROOT:$ROOT/activations:$ROOT/optimizer${PYTHONPATH:+:$PYTHONPATH}"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+# shellcheck source=device/wheels.sh
+source "$ROOT/scripts/device/wheels.sh"  # our packages + the optional wheels carried in .whl/ (and .cu13/)
 status=0
 for stage in "$@"; do
   echo "===== $stage ($(date +%T))"

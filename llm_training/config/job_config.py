@@ -197,7 +197,10 @@ class Checkpoint:
 @dataclass
 class ActivationCheckpoint:
     mode: str = option(
-        "none", "recompute activations in backward: none, every block, or selected ops", choices=AC_MODES
+        "none",
+        "recompute activations in backward: none, every block, selected ops, or long_context (every block + "
+        "routed experts in checkpointed token chunks, for 64K-256K tokens per GPU)",
+        choices=AC_MODES,
     )
 
 

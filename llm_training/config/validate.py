@@ -186,7 +186,8 @@ OPTIONAL_METRICS_PACKAGES = (("enable_tensorboard", "tensorboard", "tensorboard"
 def validate_environment(c: "JobConfig") -> None:
     """Checks of the files and packages the config needs, so that they fail as config errors (exit 2) at start-up:
     the tokenizer directory (loads, has a chat template, eos and pad tokens), the data set (exists, has a record,
-    the split and conversations column exist) and the packages of the enabled metrics sinks."""
+    the split and conversations column exist), flash-attn-4 for attention_backend = 'fa4' and the packages of the
+    enabled metrics sinks."""
     from llm_training.data import build_tokenizer, check_dataset  # imported here: transformers is slow to import
 
     hf = c.huggingface_dataset
@@ -198,6 +199,12 @@ def validate_environment(c: "JobConfig") -> None:
             check()
         except (OSError, ValueError, KeyError, ImportError) as e:
             raise ConfigError(str(e.args[0]) if isinstance(e, KeyError) else str(e)) from None
+    if c.model.attention_backend == "fa4":
+        from llm_training.layers.fa4_attention import fa4_unavailable_reason
+
+        reason = fa4_unavailable_reason("cpu" if c.training.device == "cpu" else "cuda")
+        if reason is not None:
+            raise ConfigError(f"[model] attention_backend = 'fa4': {reason}; set attention_backend = 'auto'")
     for flag, package, pip_name in OPTIONAL_METRICS_PACKAGES:
         if getattr(c.metrics, flag) and importlib.util.find_spec(package) is None:
             raise ConfigError(

@@ -2,7 +2,12 @@
 
 "full" recomputes a block's whole forward in backward; "selective" keeps the outputs of matmuls and attention
 kernels (the expensive ops) and recomputes everything else (norms, PolyNorm, mHC Sinkhorn, routing arithmetic,
-elementwise ops). The block's `forward` is wrapped in place, so the module tree and parameter FQNs stay the same.
+elementwise ops). "long_context" (64K-256K tokens per GPU) is "full" plus, inside each MoE layer, the routed
+experts run over token chunks of LONG_CONTEXT_MOE_CHUNK_TOKENS, each checkpointed on its own: during a block's
+backward only one chunk's routed rows, expert activations and fp32 combine buffers (which scale with
+tokens x top-k, ~130 KB per token for motif3_small, most of a recomputed MoE block) exist, at the price of one
+more forward of the routed experts. The block's `forward` is wrapped in place, so the module tree and parameter
+FQNs stay the same.
 """
 
 from __future__ import annotations
@@ -11,7 +16,10 @@ import functools
 
 from torch import nn
 
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "long_context")
+# tokens per routed-expert chunk in "long_context": big enough for efficient grouped GEMMs (16K tokens x top-8 =
+# 128K rows, ~2K rows per expert at 64 experts), small enough to bound the routed buffers at 256K tokens
+LONG_CONTEXT_MOE_CHUNK_TOKENS = 16384
 
 # ops whose outputs "selective" activation checkpointing keeps (the expensive ones)
 _SAVE_OPS = {
@@ -55,4 +63,8 @@ def apply_ac(blocks: list[nn.Module], mode: str) -> None:
     if mode == "none":
         return
     for block in blocks:
-        _checkpoint_block(block, mode)
+        _checkpoint_block(block, "full" if mode == "long_context" else mode)
+        if mode == "long_context":
+            for module in block.modules():
+                if hasattr(module, "sequence_chunk_tokens"):  # layers/moe.py MoE
+                    module.sequence_chunk_tokens = LONG_CONTEXT_MOE_CHUNK_TOKENS

@@ -93,6 +93,9 @@ class GDLAttention(nn.Module):
         k_pe = apply_rope_interleaved(k_pe.unsqueeze(2), cos, sin)  # one shared rope head
         k = torch.cat([k_nope, k_pe.expand(B, S, self.n_kv_heads, self.d_rope)], dim=-1)
 
+        # An activation-checkpoint recompute runs this forward again inside the backward, on the same inputs:
+        # the max logits recorded by the first forward stand, and the side pass is not paid twice.
+        record = self.record_max_logits and not _in_backward()
         out, max_logits = self.kernel(
             q,
             k,
@@ -100,9 +103,10 @@ class GDLAttention(nn.Module):
             scale=self.softmax_scale,
             window=self.window,
             metadata=metadata,
-            record_max_logits=self.record_max_logits,
+            record_max_logits=record,
         )
-        self.max_logits = max_logits.detach().float() if max_logits is not None else None
+        if record:
+            self.max_logits = max_logits.detach().float()
 
         lam = torch.sigmoid(self.lambda_proj(x_BSH))  # fp32 [B, S, n_sig]
         gate_logits = self.wq_b_gate(c_q) if self.wq_b_gate is not None else None
@@ -110,6 +114,12 @@ class GDLAttention(nn.Module):
             out.view(B, S, self.n_noise, self.r + 1, self.d_v), lam.view(B, S, self.n_noise, self.r), gate_logits
         )
         return self.wo(y.reshape(B, S, self.n_sig * self.d_v).to(x_BSH.dtype))
+
+
+def _in_backward() -> bool:
+    """Whether this runs inside an autograd backward (an activation-checkpoint recompute); False while tracing
+    with torch.compile (whose own recompute never re-runs Python)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def grouped_differential(

@@ -18,7 +18,7 @@ precomputes from them (FlexAttention block masks, one per window the model uses)
 module globals, so torch.compile and context parallelism see every input of the attention call.
 
 Adding a backend = a kernel with that signature + an `AttentionBackend` entry in `ATTENTION_BACKENDS` saying
-which (window, documents, device) cases use FlexAttention block masks.
+which (window, documents, device) cases use FlexAttention block masks and which read varlen cu_seqlens.
 """
 
 from __future__ import annotations
@@ -40,6 +40,14 @@ class AttentionMetadata:
 
     document_ids: Optional[torch.Tensor] = None
     flex_block_masks: dict = field(default_factory=dict)
+    # varlen kernels (fa4) with documents: cumulative document lengths over the B*S flattened tokens, int32
+    # [N + 1] (fa4_attention.document_cu_seqlens), and a bound on every document's length: the row length S
+    # (static across batches, so compiled code does not specialise on the longest document); both None without
+    # documents or for other backends
+    cu_seqlens: Optional[torch.Tensor] = None
+    max_seqlen: Optional[int] = None
+    # backend "auto": whether this forward's device runs flash-attn-4 (decided here, eagerly, not in the layers)
+    auto_picks_fa4: bool = False
     # context parallel (distributed/block_attention.py): FlexAttention masks of (query block, key block) pairs,
     # built on first use within this forward and shared by its layers and the backward's recompute
     block_pair_masks: dict = field(default_factory=dict)
@@ -96,7 +104,9 @@ def chunked_max_logits(
 ) -> torch.Tensor:
     """Per-query-head max of the scaled logits over visible pairs, fp32 [Hq], as a side computation:
     query chunks x key chunks of at most `block_elems` logits each (never [B, H, S, S] at once), keys
-    limited to the causal / window range of each query chunk. Matmul in the input dtype, max in fp32."""
+    limited to the causal / window range of each query chunk. Matmul in the input dtype; the max of a tile
+    is taken in that dtype and scaled in fp32 after (the same value as scaling first: scale > 0 and the
+    conversion is exact); only tiles that cross the causal / window edge or hold documents are masked."""
     B, S, Hq, _ = q_BSHD.shape
     k_BHSD = _repeat_kv(k_BSKD, Hq // k_BSKD.shape[2]).transpose(1, 2)
     q_BHSD = q_BSHD.transpose(1, 2)
@@ -108,11 +118,14 @@ def chunked_max_logits(
         k_lo = 0 if window is None else max(0, i0 - window)
         for j0 in range(k_lo, i1, ck):
             j1 = min(i1, j0 + ck)
-            logits = (q_BHSD[:, :, i0:i1] @ k_BHSD[:, :, j0:j1].transpose(-1, -2)).float() * scale
-            mask = visibility_mask(
-                range(i0, i1), range(j0, j1), q_BSHD.device, window=window, document_ids_BS=document_ids
-            )
-            best = torch.maximum(best, logits.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
+            tile = q_BHSD[:, :, i0:i1] @ k_BHSD[:, :, j0:j1].transpose(-1, -2)
+            inside = j1 - 1 <= i0 and (window is None or j0 >= i1 - 1 - window)
+            if document_ids is not None or not inside:
+                mask = visibility_mask(
+                    range(i0, i1), range(j0, j1), q_BSHD.device, window=window, document_ids_BS=document_ids
+                )
+                tile = tile.masked_fill(~mask, float("-inf"))
+            best = torch.maximum(best, tile.amax(dim=(0, 2, 3)).float() * scale)
     return best
 
 
@@ -222,34 +235,67 @@ def flex_attention_kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, re
     return out.transpose(1, 2), max_logits
 
 
+def _auto_picks_fa4(device: torch.device) -> bool:
+    from llm_training.layers.fa4_attention import fa4_usable
+
+    return fa4_usable(device)
+
+
 def _auto_uses_flex(window: Optional[int], has_documents: bool, device: torch.device) -> bool:
-    return device.type == "cuda" and (window is not None or has_documents)
+    return device.type == "cuda" and (window is not None or has_documents) and not _auto_picks_fa4(device)
+
+
+def _auto_uses_varlen(has_documents: bool, device: torch.device) -> bool:
+    return has_documents and device.type == "cuda" and _auto_picks_fa4(device)
 
 
 def auto_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits):
-    """CUDA with a window or documents -> FlexAttention (SDPA would fall back to its math kernel for
-    qk 192 / v 128 with a mask); otherwise SDPA (cuDNN for plain causal on GPU; CPU kernels on CPU)."""
+    """The fastest kernel measured for the device and case:
+    - CUDA SM90 / SM100 with flash-attn-4 installed, bf16 / fp16 -> fa4 for every case. Measured on the H200
+      at the GDLA shape (B2 S4096, 80 / 16 heads, qk 192 / v 128) fwd+bwd: full causal fa4 6.90 ms vs cuDNN
+      SDPA 7.07 ms vs Flex 19.6 ms; window 128 fa4 2.50 ms vs Flex 4.25 ms (dependencies.md; re-measured
+      at 4K-128K by bench/bench_attention.py). In fp32 (a debug setting) -> sdpa.
+    - other CUDA with a window or documents -> FlexAttention (SDPA would fall back to its math kernel for
+      qk 192 / v 128 with a mask); plain causal -> SDPA (cuDNN);
+    - CPU -> SDPA (CPU kernels)."""
+    kw = dict(scale=scale, window=window, metadata=metadata, record_max_logits=record_max_logits)
+    if metadata.auto_picks_fa4:
+        if q_BSHD.dtype in (torch.bfloat16, torch.float16):
+            from llm_training.layers.fa4_attention import fa4_attention
+
+            return fa4_attention(q_BSHD, k_BSKD, v_BSKE, **kw)
+        return sdpa_attention(q_BSHD, k_BSKD, v_BSKE, **kw)
     uses_flex = _auto_uses_flex(window, metadata.document_ids is not None, q_BSHD.device)
     kernel = flex_attention_kernel if uses_flex else sdpa_attention
-    return kernel(
+    return kernel(q_BSHD, k_BSKD, v_BSKE, **kw)
+
+
+def fa4_attention_kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits):
+    """flash-attn-4 (layers/fa4_attention.py, imported on first call)."""
+    from llm_training.layers.fa4_attention import fa4_attention
+
+    return fa4_attention(
         q_BSHD, k_BSKD, v_BSKE, scale=scale, window=window, metadata=metadata, record_max_logits=record_max_logits
     )
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """A registered backend: its kernel, and which (window, has_documents, device) cases read a FlexAttention
-    block mask from the metadata (those masks are built once per forward by `build_attention_metadata`)."""
+    """A registered backend: its kernel, which (window, has_documents, device) cases read a FlexAttention block
+    mask from the metadata, and which (has_documents, device) cases read the varlen cu_seqlens (both built once
+    per forward by `build_attention_metadata`)."""
 
     kernel: AttentionKernel
     uses_flex: Callable[[Optional[int], bool, torch.device], bool] = lambda window, has_documents, device: False
+    uses_varlen: Callable[[bool, torch.device], bool] = lambda has_documents, device: False
 
 
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "reference": AttentionBackend(reference_attention),
     "sdpa": AttentionBackend(sdpa_attention),
     "flex": AttentionBackend(flex_attention_kernel, lambda window, has_documents, device: True),
-    "auto": AttentionBackend(auto_attention, _auto_uses_flex),
+    "fa4": AttentionBackend(fa4_attention_kernel, uses_varlen=lambda has_documents, device: has_documents),
+    "auto": AttentionBackend(auto_attention, _auto_uses_flex, _auto_uses_varlen),
 }
 
 
@@ -273,12 +319,26 @@ def build_attention_metadata(
     device: torch.device,
 ) -> AttentionMetadata:
     """The metadata of one forward: the document ids plus, for each window in `windows` (None = full causal)
-    that `backend` runs through FlexAttention on `device`, its block mask."""
-    uses_flex = get_attention_backend(backend).uses_flex
+    that `backend` runs through FlexAttention on `device`, its block mask, and the documents' cu_seqlens when
+    `backend` runs varlen there (one host sync, here and not in the layers)."""
+    spec = get_attention_backend(backend)
     has_documents = document_ids_BS is not None
+    device = torch.device(device)
     masks = {
         window: flex_block_mask(document_ids_BS, window, batch_size, range(seq_len), range(seq_len), device)
         for window in windows
-        if uses_flex(window, has_documents, torch.device(device))
+        if spec.uses_flex(window, has_documents, device)
     }
-    return AttentionMetadata(document_ids=document_ids_BS, flex_block_masks=masks)
+    cu_seqlens = max_seqlen = None
+    auto_picks_fa4 = backend == "auto" and device.type == "cuda" and _auto_picks_fa4(device)
+    if spec.uses_varlen(has_documents, device):
+        from llm_training.layers.fa4_attention import document_cu_seqlens
+
+        cu_seqlens, max_seqlen = document_cu_seqlens(document_ids_BS), document_ids_BS.shape[1]
+    return AttentionMetadata(
+        document_ids=document_ids_BS,
+        flex_block_masks=masks,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        auto_picks_fa4=auto_picks_fa4,
+    )

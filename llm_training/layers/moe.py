@@ -193,6 +193,9 @@ class MoE(nn.Module):
         # Set by context parallelism (distributed/context_parallel.py) when each row is one shard of a longer
         # sequence: `.degree` shards per sequence and `.sum(x)` over them, for the sequence-wise balance loss.
         self.sequence_shards = None
+        # Set by the long_context activation-checkpointing mode (distributed/activation_checkpoint.py): run the
+        # routed experts over token chunks of this size, each checkpointed (None: all tokens at once).
+        self.sequence_chunk_tokens: Optional[int] = None
 
     def init_weights(self, init_std: float, buffer_device: Optional[torch.device] = None) -> None:
         self.router.init_weights(init_std)
@@ -205,17 +208,17 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.expert_bias.zero_()
 
-    def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
-        B, S, H = x_BSH.shape
-        x_TH = x_BSH.reshape(-1, H)
-        weights_TK, expert_ids_TK, scores_TE = self.router(x_TH, self.expert_bias)
+    def _rows_per_expert(self, flat_ids: torch.Tensor) -> torch.Tensor:
+        """Rows routed to each expert, long [E] (scatter_add: a static shape, compile-friendly, unlike bincount)."""
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat_ids.device)
+        return counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
 
+    def _routed(self, x_TH, weights_TK, expert_ids_TK) -> torch.Tensor:
+        """The routed experts' combined output [T, H] (x's dtype) of tokens `x_TH` with their routing."""
         flat_ids = expert_ids_TK.reshape(-1)
+        tokens_per_expert = self._rows_per_expert(flat_ids)
         order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert, token order kept inside
         token_of_row = order // self.top_k
-        tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long, device=flat_ids.device).scatter_add_(
-            0, flat_ids, torch.ones_like(flat_ids)
-        )  # static shape (compile-friendly), unlike bincount
         x_rows = x_TH[token_of_row]
         row_weight = weights_TK.reshape(-1)[order]  # fp32 [T*K]
         if self.score_before_experts:
@@ -224,7 +227,28 @@ class MoE(nn.Module):
         if not self.score_before_experts:
             y_rows = y_rows * row_weight[:, None]
         out = torch.zeros(x_TH.shape, dtype=torch.float32, device=x_TH.device)
-        out = out.index_add(0, token_of_row, y_rows).to(x_TH.dtype)
+        return out.index_add(0, token_of_row, y_rows).to(x_TH.dtype)
+
+    def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+        B, S, H = x_BSH.shape
+        x_TH = x_BSH.reshape(-1, H)
+        weights_TK, expert_ids_TK, scores_TE = self.router(x_TH, self.expert_bias)
+        tokens_per_expert = self._rows_per_expert(expert_ids_TK.reshape(-1))
+        chunk = self.sequence_chunk_tokens
+        if chunk is None or x_TH.shape[0] <= chunk:
+            out = self._routed(x_TH, weights_TK, expert_ids_TK)
+        else:
+            # Long sequences: the routed rows, expert activations and fp32 combine buffers scale with tokens x K;
+            # run them over token chunks, each checkpointed, so that a backward holds one chunk's (the math per
+            # token is unchanged: routing is per token and a token's K rows stay in its chunk).
+            from torch.utils.checkpoint import checkpoint
+
+            out = torch.cat(
+                [
+                    checkpoint(self._routed, x_c, w_c, ids_c, use_reentrant=False)
+                    for x_c, w_c, ids_c in zip(x_TH.split(chunk), weights_TK.split(chunk), expert_ids_TK.split(chunk))
+                ]
+            )
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_TH)
 

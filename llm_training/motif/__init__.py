@@ -68,6 +68,11 @@ MODEL_FLAVORS: dict[str, Motif3ModelArgs] = {
 }
 
 
+# motif3_small at 256K context (YaRN from 4K, as motif3_seq_256k_mtp1_sft): the one-GPU long-context benchmark
+# (bench/bench_long_context.py).
+MODEL_FLAVORS["motif3_small_256k"] = MODEL_FLAVORS["motif3_small"].replace(max_seq_len=262144)
+
+
 def get_flavor(name: str) -> Motif3ModelArgs:
     """Look up a flavor; the error lists the valid names."""
     try:

@@ -10,6 +10,9 @@ forward for the backward, term by term as the layers save them, under the activa
                 tensors (the largest block's) exist on top
     selective   each block's input and the outputs of its matmuls and attention kernel (what the policy keeps);
                 the rest of one block is recomputed on top during its backward
+    long_context  as full, but an MoE block's routed-expert terms (rows, gate|up, activations, PolyNorm rstd,
+                the sort order and token index, the fp32 outputs and weighted outputs) exist for one chunk of
+                LONG_CONTEXT_MOE_CHUNK_TOKENS tokens at a time during its backward, not for all tokens
 
 Outside the blocks: the final norm's input and the final hidden (2H b per token). The loss's buffers are the
 trainer's (the dry run adds them).
@@ -23,9 +26,12 @@ I_s = I_e x num_shared_experts, I = intermediate_size):
                              the updated stream n*H b
   attention (GDLA)           norm output H b; lambda_proj's fp32 input H f and lambda n_sig f; wq_a output and
                              c_q 2 q_lora b; wkv_a output (kv_lora + d_rope) b and kv_norm output kv_lora b; the
-                             kernel's q n_h*d_qk, k n_kv*d_qk, v n_kv*d_v and output n_h*d_v b and its
-                             log-sum-exp n_h f (what a fused flash / cuDNN / FlexAttention kernel keeps; the
-                             CPU math fallback keeps the S x S probabilities instead); gate logits n_sig*d_v b;
+                             kernel's q n_h*d_qk, k n_k*d_qk, v n_k*d_v and output n_h*d_v b and its
+                             log-sum-exp n_h f (what a fused kernel keeps; the CPU math fallback keeps the
+                             S x S probabilities instead), n_k = n_h when d_qk != d_v (flash-attn-4, the GPU
+                             default, gets K/V expanded to the query heads: layers/fa4_attention.py; cuDNN and
+                             FlexAttention keep n_kv heads, so there the estimate is high by that), else n_kv;
+                             gate logits n_sig*d_v b;
                              wo input n_sig*d_v b
   dense MLP (width I)        norm output H b; gate, up 2I b; activation output I b; PolyNorm rstd 3 f
                              (with hidden_clamp, as the shared expert: the pre-clamp gate, up 2I b more)
@@ -57,6 +63,7 @@ from typing import NamedTuple
 
 import torch
 
+from llm_training.distributed.activation_checkpoint import LONG_CONTEXT_MOE_CHUNK_TOKENS
 from llm_training.motif.args import Motif3ModelArgs, is_moe_layer
 
 
@@ -75,11 +82,20 @@ class PerToken(NamedTuple):
 
 
 class BlockTerms(NamedTuple):
-    """One block per token: its input, everything it saves without AC, what selective AC keeps (input included)."""
+    """One block per token: its input, everything it saves without AC, what selective AC keeps (input included),
+    and the part of `all` that long_context AC holds for one token chunk only (the routed experts)."""
 
     input: PerToken
     all: PerToken
     selective: PerToken
+    routed: PerToken = PerToken()
+
+
+def kernel_kv_heads(a: Motif3ModelArgs) -> int:
+    """KV heads the attention kernel keeps for its backward: flash-attn-4's expand_kv layout (the GPU default)
+    when the qk and v head dims differ and heads are grouped, else the model's KV heads."""
+    expanded = a.head_dim != a.v_head_dim and a.num_attention_heads != a.num_key_value_heads
+    return a.num_attention_heads if expanded else a.num_key_value_heads
 
 
 def attention_terms(a: Motif3ModelArgs) -> tuple[PerToken, PerToken]:
@@ -92,7 +108,7 @@ def attention_terms(a: Motif3ModelArgs) -> tuple[PerToken, PerToken]:
         + (a.kv_lora_rank + a.qk_rope_head_dim)
         + a.kv_lora_rank
         + a.num_attention_heads * d_qk
-        + a.num_key_value_heads * (d_qk + a.v_head_dim)
+        + kernel_kv_heads(a) * (d_qk + a.v_head_dim)
         + a.num_attention_heads * a.v_head_dim
         + gate_logits
         + gate,
@@ -124,13 +140,19 @@ def dense_terms(a: Motif3ModelArgs) -> tuple[PerToken, PerToken]:
     return PerToken(b=a.hidden_size) + saved, kept
 
 
+def routed_expert_terms(a: Motif3ModelArgs) -> PerToken:
+    """What an MoE sub-layer's routed experts save per token (layers/moe.py `MoE._routed`): the sort order and
+    token index, the gathered rows, gate|up and activations, PolyNorm rstd, the fp32 and weighted outputs."""
+    H, K, I = a.hidden_size, a.experts_top_k, a.moe_intermediate_size
+    copies = 2 if a.hidden_clamp is not None else 1
+    return PerToken(b=K * H + copies * (K * 2 * I + K * I), f=3 * K + 2 * K * H, i=2 * K)
+
+
 def moe_terms(a: Motif3ModelArgs) -> tuple[PerToken, PerToken]:
     """(saved, kept) of an MoE sub-layer: its norm's output, router, routed experts, shared expert."""
     H, K, E, I = a.hidden_size, a.experts_top_k, a.num_experts, a.moe_intermediate_size
-    copies = 2 if a.hidden_clamp is not None else 1
-    router = PerToken(f=H + E + 2 * K, i=3 * K)
-    routed = PerToken(b=K * H + copies * (K * 2 * I + K * I), f=3 * K + 2 * K * H)
-    saved, kept = PerToken(b=H) + router + routed, PerToken(b=K * 2 * I + K * H, f=E)
+    router = PerToken(f=H + E + 2 * K, i=K)  # fp32 input, scores, weights; the expert ids
+    saved, kept = PerToken(b=H) + router + routed_expert_terms(a), PerToken(b=K * 2 * I + K * H, f=E)
     if a.num_shared_experts > 0:
         shared_saved, shared_kept = mlp_terms(H, I * a.num_shared_experts, clamped=a.hidden_clamp is not None)
         saved, kept = saved + shared_saved, kept + shared_kept
@@ -149,7 +171,9 @@ def trunk_block_terms(a: Motif3ModelArgs, moe: bool) -> BlockTerms:
     else:
         block_input = PerToken(b=H)  # also the attention norm's input
         saved = block_input + attn_saved + PerToken(b=H) + ffn_saved  # + the residual the FFN norm reads
-    return BlockTerms(block_input, saved, block_input + attn_kept + ffn_kept)
+    return BlockTerms(
+        block_input, saved, block_input + attn_kept + ffn_kept, routed_expert_terms(a) if moe else PerToken()
+    )
 
 
 def mtp_block_terms(a: Motif3ModelArgs) -> BlockTerms:
@@ -191,12 +215,22 @@ def estimate_activation_memory(
         "MoE layer": (n_moe, trunk_block_terms(a, moe=True)),
         "MTP module": (a.num_nextn_predict_layers, mtp_block_terms(a)),
     }
-    kept = {"none": lambda t: t.all, "full": lambda t: t.input, "selective": lambda t: t.selective}[ac_mode]
+    kept = {
+        "none": lambda t: t.all,
+        "full": lambda t: t.input,
+        "selective": lambda t: t.selective,
+        "long_context": lambda t: t.input,
+    }[ac_mode]
     present = {name: (count, terms) for name, (count, terms) in kinds.items() if count > 0}
     block_bytes = {name: (count, tokens * kept(t).bytes(nb)) for name, (count, t) in present.items()}
-    recompute = 0
-    if ac_mode != "none":
-        recompute = max(tokens * (t.all.bytes(nb) - kept(t).bytes(nb)) for _, t in present.values())
+
+    def recomputed(t: BlockTerms) -> int:
+        if ac_mode != "long_context":
+            return tokens * (t.all.bytes(nb) - kept(t).bytes(nb))
+        chunk = min(tokens, LONG_CONTEXT_MOE_CHUNK_TOKENS)
+        return tokens * (t.all.bytes(nb) - t.input.bytes(nb) - t.routed.bytes(nb)) + chunk * t.routed.bytes(nb)
+
+    recompute = 0 if ac_mode == "none" else max(recomputed(t) for _, t in present.values())
     return ActivationEstimate(
         tokens=tokens,
         ac_mode=ac_mode,

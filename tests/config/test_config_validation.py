@@ -112,7 +112,7 @@ def test_choice_sets_are_the_registries():
     assert choices(ActivationCheckpoint, "mode") == AC_MODES
     assert choices(Parallelism, "expert_parallel_dispatcher") == tuple(DISPATCHERS)
     assert choices(Parallelism, "context_parallel_mode") == CP_MODES
-    for bad in ("--model.attention_backend=fa4", "--quantize.mode=mxfp8"):
+    for bad in ("--model.attention_backend=varlen", "--quantize.mode=mxfp8"):
         with pytest.raises(ConfigError) as e:
             parse(bad)
         key, value = bad[2:].split("=")

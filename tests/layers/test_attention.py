@@ -186,13 +186,39 @@ def test_gdla_sdpa_equals_reference_and_records_max_logits():
     assert ref.max_logits.shape == (args.num_attention_heads,) and ref.max_logits.dtype == torch.float32
 
 
+@pytest.mark.parametrize("with_docs", [True, False])
 @pytest.mark.parametrize("window", [None, 2])
-def test_chunked_max_logits_with_small_blocks(qkv, window):
-    """Many tiny query x key blocks (block boundaries inside documents and windows) give the same max."""
+def test_chunked_max_logits_with_small_blocks(qkv, window, with_docs):
+    """Many tiny query x key blocks (block boundaries inside documents and windows; without documents most
+    tiles lie wholly inside the visible band and skip the mask) give the same max."""
     q, k, v, docs = qkv
+    docs = docs if with_docs else None
     _, want = loop_attention(q, k, v, 0.5, window, docs)
     got = chunked_max_logits(q, k, scale=0.5, window=window, document_ids=docs, block_elems=1, query_chunk=5)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_checkpoint_recompute_does_not_record_max_logits_again():
+    """Under activation checkpointing the backward re-runs the layer: the max-logit side pass runs in the
+    forward only, and the recorded value stays the forward's."""
+    from torch.utils.checkpoint import checkpoint
+
+    args = _small_args()
+    torch.manual_seed(3)
+    rope = RotaryEmbedding(plain_inv_freq(args.qk_rope_head_dim, 1e4), 32)
+    attn = GDLAttention(args, sliding=False, softmax_scale=0.25, rope=rope, attention_backend="reference")
+    attn.init_weights()
+    calls = []
+    kernel = attn.kernel
+    attn.kernel = lambda *a, **kw: calls.append(kw["record_max_logits"]) or kernel(*a, **kw)
+    attn.record_max_logits = True
+    x = torch.randn(2, 12, args.hidden_size, requires_grad=True)
+    pos = torch.arange(12).expand(2, 12)
+    out = checkpoint(attn, x, pos, use_reentrant=False)
+    recorded = attn.max_logits.clone()
+    out.sum().backward()
+    assert calls == [True, False]
+    torch.testing.assert_close(attn.max_logits, recorded, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("with_gate", [True, False])

@@ -8,6 +8,7 @@ import torch
 from llm_training.layers.attention import GDLAttention
 from llm_training.layers.attention_backends import reference_attention
 from llm_training.motif import get_flavor
+from llm_training.distributed.activation_checkpoint import LONG_CONTEXT_MOE_CHUNK_TOKENS
 from llm_training.motif.activation_memory import estimate_activation_memory, mtp_block_terms, trunk_block_terms
 from llm_training.motif.model import Motif3Model
 from llm_training.motif.state_dict_adapter import is_fp32_key
@@ -25,6 +26,9 @@ class _FusedKernelSaves(torch.autograd.Function):
 
 
 def _fused_kernel(q, k, v, *, scale, window, metadata, record_max_logits):
+    """As the fa4 backend calls flash-attn-4 for qk != v head dims: K/V expanded to the query heads first."""
+    n_rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
     return _FusedKernelSaves.apply(q, k, v, scale, window, metadata), None
 
 
@@ -70,6 +74,13 @@ def test_activation_formula_matches_what_a_bf16_forward_saves():
         got = saved_bytes(model, block, *inputs, pos, None)
         estimate = B * S * terms.all.bytes(2)
         assert abs(estimate - got) <= 0.03 * got, (kind, estimate, got)
+    # the routed-expert share (what long_context AC holds for one chunk only): with the routed experts in
+    # checkpointed chunks the MoE block saves all but it
+    block, terms, inputs = cases["MoE layer"]
+    block.moe.sequence_chunk_tokens = 64
+    got = saved_bytes(model, block, *[x.to(torch.bfloat16).requires_grad_() for x in inputs], pos, None)
+    estimate = B * S * (terms.all.bytes(2) - terms.routed.bytes(2))
+    assert terms.routed.bytes(2) > 0.3 * terms.all.bytes(2) and abs(estimate - got) <= 0.03 * got, (estimate, got)
 
 
 def test_activation_checkpoint_modes():
@@ -86,3 +97,25 @@ def test_activation_checkpoint_modes():
     assert est["full"].recompute_bytes == moe_all - tokens * 4 * 64 * 2  # the largest block, its input kept
     assert est["none"].saved_bytes > est["selective"].saved_bytes > est["full"].saved_bytes
     assert est["full"].outside_blocks_bytes == tokens * 2 * 64 * 2  # final norm input + final hidden
+
+
+def test_long_context_mode_bounds_the_routed_recomputation():
+    """long_context keeps what full keeps; its one-block recomputation holds the routed-expert terms for one
+    chunk only, so it grows slower with tokens than full's."""
+    a = get_flavor("motif3_small")
+    tokens = 8 * LONG_CONTEXT_MOE_CHUNK_TOKENS
+    full = estimate_activation_memory(a, tokens, "full", torch.bfloat16)
+    long = estimate_activation_memory(a, tokens, "long_context", torch.bfloat16)
+    moe = trunk_block_terms(a, moe=True)
+    assert long.block_bytes == full.block_bytes
+    saved_by_chunking = (tokens - LONG_CONTEXT_MOE_CHUNK_TOKENS) * moe.routed.bytes(2)
+    dense = trunk_block_terms(a, moe=False)
+    assert long.recompute_bytes == max(
+        full.recompute_bytes - saved_by_chunking, tokens * (dense.all.bytes(2) - dense.input.bytes(2))
+    )
+    assert long.recompute_bytes < 0.5 * full.recompute_bytes
+    short = LONG_CONTEXT_MOE_CHUNK_TOKENS // 2  # below one chunk: the same as full
+    assert (
+        estimate_activation_memory(a, short, "long_context", torch.bfloat16).recompute_bytes
+        == estimate_activation_memory(a, short, "full", torch.bfloat16).recompute_bytes
+    )

@@ -115,3 +115,26 @@ def test_activation_checkpointing_keeps_values_grads_and_names(mode):
     torch.testing.assert_close(loss, ref_loss)
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+def test_long_context_checkpointing_chunks_the_routed_experts_and_keeps_values_and_grads(monkeypatch):
+    """long_context = full AC per block + the routed experts in checkpointed token chunks (a chunk smaller than
+    the batch here, so the chunked path runs): same loss and gradients as no checkpointing, up to fp32 rounding
+    of the differently shaped expert GEMMs."""
+    from llm_training.distributed import activation_checkpoint
+    from llm_training.layers.moe import MoE
+
+    monkeypatch.setattr(activation_checkpoint, "LONG_CONTEXT_MOE_CHUNK_TOKENS", 24)
+    b = _batch()
+    norms = count_labelled_tokens(b.targets())
+    ref = _reference_model()
+    ref_loss = _loss_and_grads(ref, b, norms, 1.0)
+    model = _reference_model()
+    parallelize_motif(model, ParallelDims(1, 1, 1, 1, 1), _config("long_context"), torch.device("cpu"))
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert moes and all(m.sequence_chunk_tokens == 24 for m in moes)
+    assert b.input_ids.numel() > 24
+    loss = _loss_and_grads(model, b, norms, 1.0)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -1,0 +1,171 @@
+"""Long-context training on one device: a few full training steps (the real Trainer: forward, chunked CE + MTP,
+backward, Muon + AdamW, QK-clip, expert-bias update) of a flavor at each given sequence length, one sequence
+per step, under the long-sequence memory plan, with the dry run's memory estimate beside what was measured.
+
+    python bench/bench_long_context.py --seq-lens 32768,65536            # motif3_small_256k, H200
+    python bench/bench_long_context.py --flavor motif3_debug --device cpu --seq-lens 64 --steps 2   # logic test
+
+The plan (defaults): activation checkpointing `long_context` (full AC per block + the routed experts in
+checkpointed token chunks: distributed/activation_checkpoint.py), bf16 compute, fp32 reduce, the attention
+backend `auto` (flash-attn-4 on SM90 / SM100 when installed). Each row: median step time and tokens/s over the
+timed steps, the peak allocated CUDA memory (torch.cuda.max_memory_allocated, reset before the first step) and
+the dry-run estimate for the same config (dry_run.measure_rank: parameters, gradients, optimizer state, FSDP
+transients and the activation peak). The dry run runs first, for every length, in this process (it needs no
+process group); a length whose estimate exceeds --gpu-gib is still tried (the estimate is what is checked).
+With --stop-on-oom (default) the lengths after the first out-of-memory one are reported as skipped.
+Writes JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from bench_train import random_batch
+
+from llm_training.config import ConfigManager
+from llm_training.config.job_config import PACKAGE_DIR
+from llm_training.distributed import ParallelDims
+from llm_training.distributed.utils import setup_distributed
+from llm_training.dry_run import measure_rank
+from llm_training.motif import get_flavor
+from llm_training.trainer import Trainer
+
+GIB = 2**30
+
+
+def job_config(flavor, seq_len, ac, device, backend, steps, dump, gpu_gib):
+    bf16 = device != "cpu"
+    return ConfigManager().parse_args([
+        "--job.config_file", str(PACKAGE_DIR / "motif" / "train_configs" / "debug_cpu.toml"),
+        f"--job.dump_folder={dump}", f"--job.run_name=long_{flavor}_{seq_len}", f"--model.flavor={flavor}",
+        f"--model.attention_backend={backend}", f"--training.device={device}",
+        f"--training.mixed_precision_param={'bfloat16' if bf16 else 'float32'}", f"--training.seq_len={seq_len}",
+        "--training.local_batch_size=1", f"--training.steps={steps}", "--checkpoint.enable=false",
+        f"--activation_checkpoint.mode={ac}", "--metrics.save_jsonl=false", "--lr_scheduler.warmup_steps=1",
+        f"--job.dry_run_gpu_memory_gib={gpu_gib}",
+    ])  # fmt: skip
+
+
+def estimate(cfg) -> dict:
+    r = measure_rank(cfg, world_size=1, rank=0)
+    return {
+        "estimate_total_gib": r.total_bytes / GIB,
+        "estimate_activation_peak_gib": r.activation_peak_bytes / GIB,
+        "estimate_recompute_gib": r.activations.recompute_bytes / GIB,
+        "estimate_fits": r.fits,
+    }
+
+
+def train(cfg, warmup: int, steps: int) -> dict:
+    t = cfg.training
+    args = get_flavor(cfg.model.flavor)
+    dims = ParallelDims(1, -1, 1, 1, 1)
+    device, _ = setup_distributed(t.device, dims)
+    trainer = Trainer(cfg, dims, device)
+    gen = torch.Generator().manual_seed(0)
+    cuda = device.type == "cuda"
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for i in range(warmup + steps):
+        mb = random_batch(1, t.seq_len, args.vocab_size, gen)
+        trainer.train_state.step = i + 1
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        rec = trainer.train_step([mb])
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(rec.ce_loss)
+    if not all(math.isfinite(x) for x in losses):
+        raise RuntimeError(f"non-finite CE losses {losses}")
+    step_s = statistics.median(times)
+    row = {"step_s": step_s, "tokens_per_s": t.seq_len / step_s, "ce_losses": losses}
+    row["peak_gib"] = torch.cuda.max_memory_allocated() / GIB if cuda else None
+    del trainer
+    gc.collect()  # the trainer's reference cycles: free its memory before the next length's peak is measured
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--flavor", default="motif3_small_256k")
+    p.add_argument("--seq-lens", default="32768,65536")
+    p.add_argument("--ac", default="long_context")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per length")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--gpu-gib", type=float, default=139.0, help="GPU memory the estimate is checked against")
+    p.add_argument("--stop-on-oom", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--dump", default="/tmp/bench_long_context_outputs")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_long_context.json"))
+    a = p.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print(
+            "bench_long_context --device cuda needs a CUDA GPU (use --device cpu for the logic test)", file=sys.stderr
+        )
+        return 1
+    seq_lens = [int(s) for s in a.seq_lens.split(",")]
+    cfgs = {
+        S: job_config(a.flavor, S, a.ac, a.device, a.attention_backend, a.warmup + a.steps, a.dump, a.gpu_gib)
+        for S in seq_lens
+    }
+    rows = []
+    for S in seq_lens:  # every estimate first: the dry run needs a process without a process group
+        row = {"flavor": a.flavor, "seq_len": S, "ac": a.ac, "attention_backend": a.attention_backend}
+        try:
+            row.update(estimate(cfgs[S]))
+        except Exception as e:  # noqa: BLE001 - a failing estimate must not hide the measurement
+            row["estimate_error"] = f"{type(e).__name__}: {e}"
+        rows.append(row)
+    oom, had_process_group = False, dist.is_initialized()
+    for row in rows:
+        if oom and a.stop_on_oom:
+            row["status"] = "skipped: a shorter length ran out of memory"
+            continue
+        try:
+            row.update(train(cfgs[row["seq_len"]], a.warmup, a.steps))
+            row["status"] = "ok"
+        except torch.OutOfMemoryError as e:
+            oom = True
+            row["status"] = f"OOM: {str(e).splitlines()[0][:160]}"
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001 - one failing length must not end the table
+            row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    if dist.is_initialized() and not had_process_group:
+        dist.destroy_process_group()  # the 1-rank group the Trainer's FSDP2 ran in
+    gpu = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+    print(f"device: {gpu}; flavor {a.flavor}, AC {a.ac}, attention {a.attention_backend}, batch 1")
+    print(f"{'seq':>8}{'s/step':>9}{'tok/s':>9}{'peak GiB':>10}{'est GiB':>9}{'est act':>9}  status")
+    fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
+    for r in rows:
+        print(
+            f"{r['seq_len']:>8}{fmt(r.get('step_s'), '.2f'):>9}{fmt(r.get('tokens_per_s'), '.0f'):>9}"
+            f"{fmt(r.get('peak_gib'), '.1f'):>10}{fmt(r.get('estimate_total_gib'), '.1f'):>9}"
+            f"{fmt(r.get('estimate_activation_peak_gib'), '.1f'):>9}  {r['status']}"
+            + (f" (estimate: {r['estimate_error']})" if "estimate_error" in r else "")
+        )
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"device": gpu, "rows": rows}, indent=2))
+    print(f"wrote {a.out}")
+    return 0 if all(r["status"] == "ok" or r["status"].startswith(("OOM", "skipped")) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

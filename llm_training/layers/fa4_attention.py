@@ -1,0 +1,232 @@
+"""flash-attn-4 (`flash_attn.cute`, CuTe DSL kernels for SM90 / SM100) as an attention kernel of
+`attention_backends.py`, called directly (never through torch's `activate_flash_attention_impl("FA4")` shim,
+which breaks SDPA and varlen on torch 2.11 / 2.13: dependencies.md).
+
+    fa4_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits)
+        -> (out_BSHE, max_logits_H or None)
+
+- causal: `causal=True`; sliding window W: `window_size=(W, 0)`, i.e. key j visible iff i - W <= j <= i
+  (W + 1 keys, our convention); FA4 skips key blocks that are fully outside the window, so a W = 128 layer
+  costs O(S * W), not O(S^2).
+- packed documents: `flash_attn_varlen_func` over the B*S flattened tokens with the cumulative sequence
+  lengths of the documents (`document_cu_seqlens`, built once per forward into the AttentionMetadata); a
+  row boundary is a document boundary too. The causal / window mask is then relative to each document.
+- GQA with qk head dim != v head dim (GDLA: 192 / 128): FA4 4.0.0b36's GQA backward rejects that case, so
+  the KV heads are laid out for it (`GQA_LAYOUTS`): "expand_kv" repeats K and V to the query heads (plain
+  MHA), "pad_v" keeps the KV heads and zero-pads V to the qk head dim (output sliced back). Measured on the
+  H200 at the GDLA shape, B2 S4096, fwd+bwd: expand_kv 6.90 ms vs pad_v 7.88 ms (full causal) and 2.50 ms vs
+  2.97 ms (window 128); bench/bench_attention.py re-measures both. Default: expand_kv (faster; its cost is
+  memory: the expanded K/V, n_h * (d_qk + d_v) per token instead of n_kv * 2 d_qk, live from the kernel's
+  forward to its backward). Equal head dims use FA4's native GQA (pack_gqa) with no copy.
+- log-sum-exp: `fa4_attention_lse` returns it too (natural log, fp32 [B, Hq, S]), differentiable (FA4's
+  backward takes dlse), which is what ring attention merges.
+- max_logits (QK-clip): FA4 returns no row max. The LSE only bounds it (max <= lse <= max + log(#visible
+  keys), i.e. up to log(262144) = 12.5 too high at 256K), which would clip too often, so the exact value
+  comes from `attention_backends.chunked_max_logits`, a no-grad side pass of the q.k products only (at most
+  the attention forward's q.k share, ~60% of its FLOPs at d_qk 192 / d_v 128; only on steps that record).
+
+Only bf16 / fp16 on CUDA; anything else raises with the alternative named. The package is imported lazily.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+GQA_LAYOUTS = ("expand_kv", "pad_v")
+# measured default (module docstring): expanding KV heads beats padding V by 13-16% at the GDLA shape
+DEFAULT_GQA_LAYOUT = "expand_kv"
+
+# FA4 4.0.0b36 ships SM90 (Hopper) and SM100 (Blackwell) kernels for the GDLA head dims (192 / 128)
+SUPPORTED_MAJOR_CAPABILITIES = (9, 10)
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def fa4_import_error() -> Optional[str]:
+    """None when `flash_attn.cute` imports, else why not (cached: the import is tried once per process)."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as e:  # ImportError, or a CUDA / DSL initialisation error of the package
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def fa4_unavailable_reason(device) -> Optional[str]:
+    """None when FA4 can run on `device`, else a one-line reason (no CUDA, unsupported GPU, not installed)."""
+    return _unavailable_reason(torch.device(device))
+
+
+@functools.cache
+def _unavailable_reason(device: torch.device) -> Optional[str]:
+    if device.type != "cuda":
+        return f"flash-attn-4 needs a CUDA device, got {device.type}"
+    if not torch.cuda.is_available():
+        return "flash-attn-4 needs CUDA, which is not available"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in SUPPORTED_MAJOR_CAPABILITIES:
+        return f"flash-attn-4 has kernels for SM90 / SM100, this GPU is SM{major}{minor}"
+    error = fa4_import_error()
+    if error is not None:
+        return f"flash_attn.cute (pip install flash-attn-4==4.0.0b36) does not import: {error}"
+    return None
+
+
+def fa4_usable(device) -> bool:
+    return fa4_unavailable_reason(device) is None
+
+
+def document_cu_seqlens(document_ids_BS: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens, int32 [N + 1], of the N contiguous documents of the B*S flattened tokens: a document starts at
+    every row start and wherever the id changes within a row. N is data-dependent: one host sync, so call it
+    once per forward, outside compiled code (build_attention_metadata)."""
+    B, S = document_ids_BS.shape
+    flat = document_ids_BS.reshape(-1)
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    starts[::S] = True
+    positions = torch.nonzero(starts).flatten()
+    total = torch.tensor([B * S], device=flat.device, dtype=positions.dtype)
+    return torch.cat([positions, total]).to(torch.int32)
+
+
+def _check_inputs(q_BSHD: torch.Tensor) -> None:
+    reason = fa4_unavailable_reason(q_BSHD.device)
+    if reason is not None:
+        raise RuntimeError(f"attention_backend = 'fa4': {reason}; use attention_backend = 'auto' or 'flex'")
+    if q_BSHD.dtype not in _HALF_DTYPES:
+        raise RuntimeError(
+            f"attention_backend = 'fa4' runs bf16 / fp16 only, got {q_BSHD.dtype}; set [training] "
+            "mixed_precision_param = 'bfloat16' or use attention_backend = 'sdpa'"
+        )
+
+
+def _layout_kv(k_BSKD, v_BSKE, n_heads: int, gqa_layout: str):
+    """K/V in the layout FA4 can differentiate (module docstring), and the v head dim to slice back to."""
+    n_kv, d_qk, d_v = k_BSKD.shape[2], k_BSKD.shape[3], v_BSKE.shape[3]
+    if n_kv == n_heads or d_qk == d_v:
+        return k_BSKD, v_BSKE, d_v
+    if gqa_layout == "expand_kv":
+        n_rep = n_heads // n_kv
+        return k_BSKD.repeat_interleave(n_rep, dim=2), v_BSKE.repeat_interleave(n_rep, dim=2), d_v
+    if gqa_layout == "pad_v":
+        return k_BSKD, torch.nn.functional.pad(v_BSKE, (0, d_qk - d_v)), d_v
+    raise ValueError(f"unknown FA4 GQA layout {gqa_layout!r}; one of {GQA_LAYOUTS}")
+
+
+def fa4_attention_lse(
+    q_BSHD: torch.Tensor,
+    k_BSKD: torch.Tensor,
+    v_BSKE: torch.Tensor,
+    *,
+    scale: float,
+    window: Optional[int],
+    metadata,
+    gqa_layout: str = DEFAULT_GQA_LAYOUT,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, S, Hq, Dv] in q's dtype, lse fp32 [B, Hq, S], natural log), both differentiable; the
+    visibility of attention_backends (causal, window, metadata's documents via its cu_seqlens)."""
+    _check_inputs(q_BSHD)
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    B, S, Hq, _ = q_BSHD.shape
+    k, v, d_v = _layout_kv(k_BSKD, v_BSKE, Hq, gqa_layout)
+    window_size = (None, None) if window is None else (window, 0)
+    causal = window is None
+    if metadata.document_ids is None:
+        out, lse = flash_attn_func(
+            q_BSHD, k, v, softmax_scale=scale, causal=causal, window_size=window_size, return_lse=True
+        )
+    else:
+        if metadata.cu_seqlens is None:
+            raise RuntimeError(
+                "attention_backend 'fa4' with documents needs the cu_seqlens of this forward's AttentionMetadata; "
+                "build it with build_attention_metadata('fa4', document_ids, ...)"
+            )
+        out, lse = flash_attn_varlen_func(
+            q_BSHD.reshape(B * S, Hq, -1),
+            k.reshape(B * S, k.shape[2], -1),
+            v.reshape(B * S, v.shape[2], -1),
+            cu_seqlens_q=metadata.cu_seqlens,
+            cu_seqlens_k=metadata.cu_seqlens,
+            max_seqlen_q=metadata.max_seqlen,
+            max_seqlen_k=metadata.max_seqlen,
+            softmax_scale=scale,
+            causal=causal,
+            window_size=window_size,
+            return_lse=True,
+        )
+        out = out.view(B, S, Hq, -1)
+        lse = lse.view(Hq, B, S).transpose(0, 1)  # varlen lse is [Hq, total tokens]
+    if out.shape[-1] != d_v:
+        out = out[..., :d_v]
+    return out, lse
+
+
+def fa4_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits):
+    """The `fa4` backend kernel (attention_backends signature)."""
+    out, _ = fa4_attention_lse(q_BSHD, k_BSKD, v_BSKE, scale=scale, window=window, metadata=metadata)
+    max_logits = None
+    if record_max_logits:
+        from llm_training.layers.attention_backends import chunked_max_logits
+
+        max_logits = chunked_max_logits(q_BSHD, k_BSKD, scale=scale, window=window, document_ids=metadata.document_ids)
+    return out, max_logits
+
+
+def fa4_block_attention(q_BQHD, k_BKKD, v_BKKE, *, scale, queries, keys, window, document_ids, record_max_logits):
+    """flash-attn-4 as a context-parallel block kernel (distributed/block_attention.py signature): the ring's
+    two block-pair kinds without documents, the diagonal pair (queries == keys: causal) and a key block wholly
+    before the query block (every pair visible: non-causal), returning out and lse in fp32 (both
+    differentiable, as the ring's recompute backward needs). Windows (halo attention), partial overlaps and
+    documents raise: those pairs stay with block_attention's FlexAttention kernel.
+
+    Not wired yet: distributed/context_parallel.py picks the block kernel (block_attention_kernel); selecting
+    this one for attention_backend fa4 (or auto on SM90 / SM100) and no documents is the context-parallel
+    side's change."""
+    if window is not None or document_ids is not None:
+        raise ValueError(
+            "fa4_block_attention covers causal ring pairs without documents (window None, no document ids)"
+        )
+    if queries == keys:
+        causal = True
+    elif keys.stop <= queries.start:
+        causal = False
+    else:
+        raise ValueError(f"fa4_block_attention: key block {keys} neither equals nor precedes query block {queries}")
+    _check_inputs(q_BQHD)
+    from flash_attn.cute import flash_attn_func
+
+    Hq = q_BQHD.shape[2]
+    k, v, d_v = _layout_kv(k_BKKD, v_BKKE, Hq, DEFAULT_GQA_LAYOUT)
+    out, lse = flash_attn_func(q_BQHD, k, v, softmax_scale=scale, causal=causal, return_lse=True)
+    if out.shape[-1] != d_v:
+        out = out[..., :d_v]
+    max_logits = _block_max_logits(q_BQHD, k_BKKD, scale, causal) if record_max_logits else None
+    return out.float(), lse.float(), max_logits
+
+
+@torch.no_grad()
+def _block_max_logits(q_BQHD, k_BKKD, scale, causal: bool, block_elems: int = 1 << 27) -> torch.Tensor:
+    """fp32 [Hq] max of the scaled logits of one block pair (causal: the diagonal pair), in tiles of at most
+    `block_elems` logits."""
+    B, Q, Hq, _ = q_BQHD.shape
+    q = q_BQHD.transpose(1, 2)
+    k = k_BKKD.repeat_interleave(Hq // k_BKKD.shape[2], dim=2).transpose(1, 2)
+    best = torch.full((Hq,), float("-inf"), device=q.device, dtype=torch.float32)
+    cq = min(Q, 1024)
+    ck = max(cq, block_elems // max(1, B * Hq * cq))
+    for i0 in range(0, Q, cq):
+        i1 = min(Q, i0 + cq)
+        for j0 in range(0, i1 if causal else k.shape[2], ck):
+            j1 = min(i1 if causal else k.shape[2], j0 + ck)
+            logits = (q[:, :, i0:i1] @ k[:, :, j0:j1].transpose(-1, -2)).float() * scale
+            if causal:
+                visible = (
+                    torch.arange(j0, j1, device=q.device)[None, :] <= torch.arange(i0, i1, device=q.device)[:, None]
+                )
+                logits = logits.masked_fill(~visible, float("-inf"))
+            best = torch.maximum(best, logits.amax(dim=(0, 2, 3)))
+    return best

@@ -1,0 +1,355 @@
+"""The flash-attn-4 backend: registry / `auto` selection, cu_seqlens from document ids, the errors without CUDA
+or the package; the call glue (flattening, window convention, GQA layouts, lse layout) against an fp32
+emulation of `flash_attn.cute` on CPU; and, on CUDA with flash-attn-4 installed, values and gradients vs the
+reference backend."""
+
+import sys
+import types
+
+import pytest
+import torch
+
+from llm_training.layers import fa4_attention as fa4
+from llm_training.layers.attention_backends import (
+    ATTENTION_BACKENDS,
+    AttentionMetadata,
+    build_attention_metadata,
+    get_attention_backend,
+    reference_attention,
+    visibility_mask,
+)
+
+
+def _doc_ids(B, S, cuts):
+    pos = torch.arange(S)
+    ids = torch.zeros(S, dtype=torch.int32)
+    for c in cuts:
+        ids += (pos >= c).int()
+    return ids.expand(B, S).contiguous()
+
+
+# ------------------------------------------------------------------------ CPU: registry, metadata, errors
+def test_fa4_is_registered_and_reads_cu_seqlens_only_with_documents():
+    spec = get_attention_backend("fa4")
+    cpu = torch.device("cpu")
+    assert "fa4" in ATTENTION_BACKENDS
+    assert spec.uses_varlen(True, cpu) and not spec.uses_varlen(False, cpu)
+    assert not spec.uses_flex(128, True, cpu)
+
+
+def test_document_cu_seqlens_match_document_ids():
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 7, 7], [3, 3, 3, 3, 3, 3, 3, 3]])
+    cu = fa4.document_cu_seqlens(ids)
+    assert cu.dtype == torch.int32
+    # row boundaries are document boundaries even when the id carries over (row 1 ends in 7, row 2 starts at 3;
+    # an equal id across rows must split too)
+    assert cu.tolist() == [0, 3, 5, 8, 14, 16, 24]
+    same_id_rows = torch.zeros(2, 4, dtype=torch.int64)
+    assert fa4.document_cu_seqlens(same_id_rows).tolist() == [0, 4, 8]
+    # every flattened token lies in exactly the document its id says
+    flat = ids.reshape(-1)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        assert (flat[a:b] == flat[a]).all()
+
+
+def test_build_attention_metadata_for_fa4():
+    docs = _doc_ids(2, 12, [5])
+    meta = build_attention_metadata("fa4", docs, [None, 4], 2, 12, torch.device("cpu"))
+    assert meta.flex_block_masks == {} and meta.cu_seqlens.tolist() == [0, 5, 12, 17, 24] and meta.max_seqlen == 12
+    plain = build_attention_metadata("fa4", None, [None, 4], 2, 12, torch.device("cpu"))
+    assert plain.cu_seqlens is None and plain.max_seqlen is None
+
+
+def test_auto_never_picks_fa4_on_cpu():
+    docs = _doc_ids(1, 12, [5])
+    meta = build_attention_metadata("auto", docs, [None, 3], 1, 12, torch.device("cpu"))
+    assert not meta.auto_picks_fa4 and meta.cu_seqlens is None
+    assert fa4.fa4_unavailable_reason("cpu") == "flash-attn-4 needs a CUDA device, got cpu"
+
+
+def test_fa4_kernel_without_cuda_names_the_alternative():
+    q = torch.randn(1, 8, 4, 16, dtype=torch.bfloat16)
+    k = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
+    v = torch.randn(1, 8, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="attention_backend = 'auto' or 'flex'"):
+        get_attention_backend("fa4").kernel(
+            q, k, v, scale=0.25, window=None, metadata=AttentionMetadata(), record_max_logits=False
+        )
+
+
+def test_fa4_rejects_fp32(monkeypatch):
+    monkeypatch.setattr(fa4, "fa4_unavailable_reason", lambda device: None)
+    with pytest.raises(RuntimeError, match="bf16 / fp16 only"):
+        fa4._check_inputs(torch.zeros(1, 2, 2, 8))
+
+
+def test_config_accepts_fa4_and_the_environment_check_names_the_alternative():
+    from llm_training.config import ConfigError, ConfigManager, validate_environment
+
+    c = ConfigManager().parse_args(["--model.attention_backend=fa4", "--training.device=cpu"])
+    assert c.model.attention_backend == "fa4"
+    with pytest.raises(ConfigError, match="attention_backend = 'fa4': flash-attn-4 needs a CUDA device.*'auto'"):
+        validate_environment(c)
+
+
+# ------------------------------------------------------------------------ CPU emulation of flash_attn.cute
+def _emulated_attention(q, k, v, scale, causal, window_size):
+    """fp32 attention of one sequence q [S, H, D], k [S, Hk, D], v [S, Hk, E] with FA4's documented mask
+    convention (window_size = (left, right): key j visible iff i - left <= j <= i + right; causal: right = 0);
+    returns (out [S, H, E] in q's dtype, lse [H, S])."""
+    S, H, _ = q.shape
+    Hk, D, E = k.shape[1], k.shape[2], v.shape[2]
+    if Hk != H and D != E and torch.is_grad_enabled():
+        raise RuntimeError("emulated FA4 b36: GQA backward with head_dim != head_dim_v is not supported")
+    rep = H // Hk
+    qf, kf, vf = q.float(), k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    left, right = window_size
+    right = 0 if causal else right
+    visible = torch.ones(S, S, dtype=torch.bool)
+    if left is not None:
+        visible &= j >= i - left
+    if right is not None:
+        visible &= j <= i + right
+    logits = torch.einsum("qhd,khd->hqk", qf, kf) * scale
+    logits = logits.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    out = torch.einsum("hqk,khe->qhe", torch.exp(logits - lse[..., None]), vf)
+    return out.to(q.dtype), lse
+
+
+def _fake_flash_attn_cute():
+    module = types.ModuleType("flash_attn.cute")
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), return_lse=False):
+        parts = [_emulated_attention(q[b], k[b], v[b], softmax_scale, causal, window_size) for b in range(q.shape[0])]
+        return torch.stack([o for o, _ in parts]), torch.stack([s for _, s in parts])
+
+    def flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None,
+        causal=False, window_size=(None, None), return_lse=False,
+    ):  # fmt: skip
+        assert torch.equal(cu_seqlens_q, cu_seqlens_k) and cu_seqlens_q.dtype == torch.int32
+        bounds = cu_seqlens_q.tolist()
+        assert max_seqlen_q >= max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        parts = [
+            _emulated_attention(q[a:b], k[a:b], v[a:b], softmax_scale, causal, window_size)
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ]
+        return torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts], dim=1)
+
+    module.flash_attn_func, module.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
+    return module
+
+
+@pytest.fixture
+def emulated_fa4(monkeypatch):
+    package = types.ModuleType("flash_attn")
+    package.cute = _fake_flash_attn_cute()
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", package.cute)
+    monkeypatch.setattr(fa4, "_check_inputs", lambda q: None)
+
+
+def _reference_lse(q, k, scale, window, docs):
+    Hq = q.shape[2]
+    kf = k.float().repeat_interleave(Hq // k.shape[2], 2)
+    logits = torch.einsum("bqhd,bkhd->bhqk", q.float(), kf) * scale
+    mask = visibility_mask(range(q.shape[1]), range(q.shape[1]), q.device, window=window, document_ids_BS=docs)
+    return torch.logsumexp(logits.masked_fill(~mask, float("-inf")), dim=-1)
+
+
+@pytest.mark.parametrize("layout", fa4.GQA_LAYOUTS)
+@pytest.mark.parametrize("window,docs", [(None, False), (3, False), (None, True), (3, True)])
+def test_fa4_glue_matches_reference_on_emulation(emulated_fa4, layout, window, docs):
+    torch.manual_seed(0)
+    B, S, Hq, Hkv = 2, 11, 6, 2
+    q, k = torch.randn(B, S, Hq, 12, dtype=torch.float64), torch.randn(B, S, Hkv, 12, dtype=torch.float64)
+    v = torch.randn(B, S, Hkv, 8, dtype=torch.float64)
+    doc_ids = _doc_ids(B, S, [4, 9]) if docs else None
+    meta = build_attention_metadata("fa4", doc_ids, [window], B, S, q.device)
+    out, lse = fa4.fa4_attention_lse(q, k, v, scale=0.3, window=window, metadata=meta, gqa_layout=layout)
+    ref, _ = reference_attention(q, k, v, scale=0.3, window=window, metadata=meta, record_max_logits=False)
+    assert out.shape == (B, S, Hq, 8) and lse.shape == (B, Hq, S)
+    tol = {"atol": 1e-5, "rtol": 1e-5}  # the reference and the emulation both compute in fp32
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(lse.float(), _reference_lse(q, k, 0.3, window, doc_ids), **tol)
+    got, mx = get_attention_backend("fa4").kernel(
+        q, k, v, scale=0.3, window=window, metadata=meta, record_max_logits=True
+    )
+    _, ref_mx = reference_attention(q, k, v, scale=0.3, window=window, metadata=meta, record_max_logits=True)
+    torch.testing.assert_close(got, ref, **tol)
+    torch.testing.assert_close(mx, ref_mx.float(), **tol)
+
+
+def test_fa4_layouts_give_the_emulated_kernel_a_differentiable_case(emulated_fa4):
+    """GQA with qk != v head dims reaches FA4 either as MHA (expand_kv) or with equal head dims (pad_v); both
+    back-propagate to the GQA-shaped inputs like the reference."""
+    torch.manual_seed(1)
+    q = torch.randn(1, 7, 4, 12, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 7, 2, 12, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 7, 2, 8, dtype=torch.float64, requires_grad=True)
+    meta = AttentionMetadata()
+    ref, _ = reference_attention(q, k, v, scale=0.3, window=2, metadata=meta, record_max_logits=False)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for layout in fa4.GQA_LAYOUTS:
+        out, _ = fa4.fa4_attention_lse(q, k, v, scale=0.3, window=2, metadata=meta, gqa_layout=layout)
+        for a, b in zip(torch.autograd.grad(out.square().sum(), (q, k, v)), ref_grads):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="unknown FA4 GQA layout"):
+        fa4.fa4_attention_lse(q, k, v, scale=0.3, window=2, metadata=meta, gqa_layout="nope")
+
+
+def test_fa4_with_documents_needs_the_metadata_cu_seqlens(emulated_fa4):
+    q = torch.randn(1, 6, 2, 8)
+    meta = AttentionMetadata(document_ids=_doc_ids(1, 6, [3]))
+    with pytest.raises(RuntimeError, match="needs the cu_seqlens"):
+        fa4.fa4_attention_lse(q, q, q, scale=0.3, window=None, metadata=meta)
+
+
+@pytest.mark.parametrize("queries,keys", [(range(8, 16), range(8, 16)), (range(16, 24), range(0, 8))])
+def test_fa4_block_attention_matches_the_reference_block_kernel(emulated_fa4, queries, keys):
+    """The ring's block pairs (diagonal: causal; key block before the query block: all visible): out, lse and
+    their gradients (the ring's recompute backward goes through both), and max_logits."""
+    from llm_training.distributed.block_attention import reference_block_attention
+
+    torch.manual_seed(2)
+    q = torch.randn(2, 8, 6, 12, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 8, 2, 12, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 8, 2, 8, dtype=torch.float64, requires_grad=True)
+    kw = {"scale": 0.3, "queries": queries, "keys": keys, "window": None, "document_ids": None}
+    results = []
+    for kernel in (fa4.fa4_block_attention, reference_block_attention):
+        out, lse, mx = kernel(q, k, v, **kw, record_max_logits=True)
+        grads = torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v))
+        results.append((out.double(), lse.double(), mx.double(), *grads))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_fa4_block_attention_refuses_what_it_does_not_cover(emulated_fa4):
+    q = torch.randn(1, 4, 2, 8)
+    kw = {"scale": 0.3, "record_max_logits": False}
+    with pytest.raises(ValueError, match="without documents"):
+        fa4.fa4_block_attention(q, q, q, queries=range(4), keys=range(4), window=2, document_ids=None, **kw)
+    with pytest.raises(ValueError, match="neither equals nor precedes"):
+        fa4.fa4_block_attention(q, q, q, queries=range(4), keys=range(2, 6), window=None, document_ids=None, **kw)
+
+
+def test_motif3_model_on_the_fa4_backend_matches_the_reference_backend(emulated_fa4):
+    """The whole model (sliding + full layers, packed documents, MTP, max logits) with attention_backend fa4
+    through the emulated kernel: the metadata's cu_seqlens reach every layer and the outputs are the
+    reference backend's."""
+    from llm_training.motif import get_flavor
+    from llm_training.motif.model import Motif3Model
+
+    torch.manual_seed(0)
+    a = get_flavor("motif3_debug")
+    models = {name: Motif3Model(a, attention_backend=name) for name in ("fa4", "reference")}
+    models["fa4"].init_weights()
+    models["reference"].load_state_dict(models["fa4"].state_dict())
+    B, S = 2, 40
+    ids = torch.randint(0, a.vocab_size, (B, S))
+    docs = _doc_ids(B, S, [13, 29])
+    pos = torch.cat([torch.arange(13), torch.arange(16), torch.arange(11)]).expand(B, S)
+    outs = {}
+    for name, model in models.items():
+        model.set_record_max_logits(True)
+        outs[name] = model(ids, position_ids=pos, document_ids=docs)
+    got, want = outs["fa4"], outs["reference"]
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.mtp_logits[0], want.mtp_logits[0], atol=1e-4, rtol=1e-4)
+    for g, w in zip(got.max_logits, want.max_logits):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------ GPU: the real kernel
+def _require_fa4():
+    reason = fa4.fa4_unavailable_reason("cuda")
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _gdla_like(B, S, Hq, Hkv, requires_grad=True, seed=0):
+    torch.manual_seed(seed)
+    make = lambda h, d: torch.randn(B, S, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)  # noqa: E731
+    return make(Hq, 192), make(Hkv, 192), make(Hkv, 128)
+
+
+@pytest.mark.parametrize("layout", fa4.GQA_LAYOUTS)
+@pytest.mark.parametrize("window,docs", [(None, False), (128, False), (None, True), (128, True)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fa4_matches_reference_bf16(layout, window, docs):
+    _require_fa4()
+    B, S, Hq, Hkv = 2, 1024, 10, 2
+    q, k, v = _gdla_like(B, S, Hq, Hkv)
+    doc_ids = _doc_ids(B, S, [300, 700]).cuda() if docs else None
+    meta = build_attention_metadata("fa4", doc_ids, [window], B, S, q.device)
+    out, lse = fa4.fa4_attention_lse(q, k, v, scale=192**-0.5, window=window, metadata=meta, gqa_layout=layout)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref, _ = reference_attention(q, k, v, scale=192**-0.5, window=window, metadata=meta, record_max_logits=False)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        lse, _reference_lse(q.detach(), k.detach(), 192**-0.5, window, doc_ids), atol=2e-2, rtol=1e-3
+    )
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fa4_backend_and_auto_on_gpu_with_max_logits():
+    _require_fa4()
+    B, S = 1, 512
+    q, k, v = _gdla_like(B, S, 10, 2, requires_grad=False)
+    doc_ids = _doc_ids(B, S, [200]).cuda()
+    for name in ("fa4", "auto"):
+        meta = build_attention_metadata(name, doc_ids, [128], B, S, q.device)
+        assert meta.cu_seqlens is not None and meta.flex_block_masks == {}
+        assert meta.auto_picks_fa4 == (name == "auto")
+        out, mx = get_attention_backend(name).kernel(
+            q, k, v, scale=0.1, window=128, metadata=meta, record_max_logits=True
+        )
+        ref, ref_mx = reference_attention(q, k, v, scale=0.1, window=128, metadata=meta, record_max_logits=True)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(mx, ref_mx, atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fa4_under_torch_compile():
+    _require_fa4()
+    q, k, v = _gdla_like(1, 512, 10, 2)
+    meta = AttentionMetadata()
+
+    def f(q, k, v):
+        return fa4.fa4_attention(q, k, v, scale=0.1, window=128, metadata=meta, record_max_logits=False)[0]
+
+    eager = f(q, k, v)
+    eager_grads = torch.autograd.grad(eager.float().sum(), (q, k, v))
+    compiled = torch.compile(f)(q, k, v)
+    compiled_grads = torch.autograd.grad(compiled.float().sum(), (q, k, v))
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("queries,keys", [(range(512, 1024), range(512, 1024)), (range(1024, 1536), range(0, 512))])
+def test_fa4_block_attention_on_gpu(queries, keys):
+    from llm_training.distributed.block_attention import reference_block_attention
+
+    _require_fa4()
+    q, k, v = _gdla_like(1, 512, 10, 2)
+    kw = {"scale": 192**-0.5, "queries": queries, "keys": keys, "window": None, "document_ids": None}
+    results = []
+    for kernel in (fa4.fa4_block_attention, reference_block_attention):
+        out, lse, mx = kernel(q, k, v, **kw, record_max_logits=True)
+        grads = torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v))
+        results.append((out, lse, mx, *grads))
+    for a, b, tol in zip(*results, (2e-2, 2e-2, 5e-2, 5e-2, 5e-2, 5e-2)):
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
