@@ -22,8 +22,9 @@ It then prints, per rank, the GPU memory the step needs, from the real objects:
     reduce-scatter input in the reduce dtype;
   * activations: the model family's estimate (`ModelSpec.activation_memory`; Motif-3's formula is in
     motif/activation_memory.py) at local_batch_size x seq_len / cp tokens and the configured activation
-    checkpointing, plus the loss's buffers (trainer/losses.py: per loss head, grad hidden [T, H] in the compute
-    dtype and grad weight [V, H] fp32 kept until the backward, and one [chunk, V] logits block while it runs);
+    checkpointing, plus the loss's buffers (trainer/losses.py: per loss head grad hidden [T, H] in the compute
+    dtype, and one grad weight [V, H] fp32 for all heads (one shared pass), kept until the backward, and one
+    [chunk, V] logits block while it runs);
     peak = saved + max(loss buffers + chunk, one block's recomputation).
 Total = parameters + gradients + optimizer state + FSDP2 transients + activation peak, against
 `[job] dry_run_gpu_memory_gib`. It does not count the CUDA context, NCCL buffers, kernel workspaces, Muon's
@@ -271,7 +272,7 @@ class LossBuffers:
     """The chunked cross-entropy's buffers (trainer/losses.py) for `heads` loss heads."""
 
     heads: int
-    kept_bytes: int  # grad hidden + fp32 grad weight per head, forward to backward
+    kept_bytes: int  # grad hidden per head + one fp32 grad weight (the heads share one pass), forward to backward
     chunk_bytes: int  # one [chunk, V] logits block (fp32 + compute dtype) while a head runs
 
 
@@ -279,7 +280,7 @@ def loss_buffers(head_weight_VH: torch.Tensor, heads: int, tokens: int, compute:
     from llm_training.trainer.losses import default_chunk_tokens
 
     V, H = head_weight_VH.shape
-    kept = heads * (tokens * H * compute.itemsize + V * H * 4)
+    kept = heads * tokens * H * compute.itemsize + V * H * 4
     return LossBuffers(heads, kept, min(tokens, default_chunk_tokens(V)) * V * (4 + compute.itemsize))
 
 

@@ -99,7 +99,7 @@ def test_loss_buffers_and_tokens_follow_the_local_batch():
     a = get_flavor("motif3_debug")
     assert r.activations.tokens == 2 * 256
     heads = 1 + a.num_nextn_predict_layers
-    assert r.loss.kept_bytes == heads * (512 * a.hidden_size * 2 + a.vocab_size * a.hidden_size * 4)
+    assert r.loss.kept_bytes == heads * 512 * a.hidden_size * 2 + a.vocab_size * a.hidden_size * 4
 
 
 # ------------------------------------------------------------------------------- the verdict and the entrypoint

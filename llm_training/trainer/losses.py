@@ -7,10 +7,19 @@ the number of labelled tokens in the whole global batch (all micro-batches, all 
 the per-micro-batch losses over micro-batches and (through the gradient reduction, which the
 parallelizer sets to SUM) over data ranks then gives exactly the full-batch mean loss and gradient.
 
-The lm_head never produces the full `[T, V]` fp32 logits: `chunked_linear_cross_entropy` walks the tokens
+The lm_head never produces the full `[T, V]` fp32 logits: `linear_cross_entropy_segments` walks the tokens
 in chunks inside one autograd Function that computes the gradients of each chunk in the forward (the
-logits chunk is freed right away) and only scales them in the backward. The same design is used by
-liger-kernel's fused linear cross-entropy, which we call on CUDA when it is importable.
+logits chunk is freed right away) and only scales them in the backward (the design of liger-kernel's fused
+linear cross-entropy). The main head and every MTP head share ONE pass over the head weight: their tokens are
+concatenated, each token carries its loss term's weight (1 / N_main, or mtp_loss_weight / (K N_k)), so one
+fp32 `[V, H]` weight-gradient buffer and one chunk loop serve all of them.
+
+On CUDA with bf16 inputs both GEMMs that touch fp32 do so inside cuBLAS: the logits chunk comes out of the
+GEMM in fp32 (`mm(..., out_dtype=float32)`, fp32 accumulation, no bf16 logits and no cast copy), and each
+chunk's weight gradient is accumulated into the fp32 buffer by the GEMM itself (`baddbmm(acc, g^T, h,
+out_dtype=float32, out=acc)`: C = acc, beta = 1), with no per-chunk bf16 product, fp32 cast copy or `+=`.
+Where torch lacks those mixed-dtype GEMMs (CPU, or a torch whose CUDA build rejects them; probed once per
+device) the chunk falls back to a bf16 GEMM, a cast and an fp32 add.
 """
 
 from __future__ import annotations
@@ -31,81 +40,150 @@ def default_chunk_tokens(vocab_size: int) -> int:
     return max(1, _DEFAULT_CHUNK_ELEMENTS // vocab_size)
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum_t CE(hidden[t] @ weight.T, labels[t]) over labels != -100, chunked over tokens.
+@functools.cache
+def _fp32_out_gemms(device: torch.device) -> bool:
+    """Whether bf16 x bf16 -> fp32 GEMMs (`mm` with `out_dtype`, and `baddbmm` accumulating into an fp32 `out`)
+    run on `device` and give the fp32 product: a tiny probe, once per device. CPU kernels do not exist (torch
+    2.13); CUDA builds since torch 2.8 have them."""
+    if device.type != "cuda":
+        return False
+    a = torch.randn(32, 16, device=device).to(torch.bfloat16)
+    b = torch.randn(16, 8, device=device).to(torch.bfloat16)
+    try:
+        acc = torch.ones(1, 32, 8, device=device)
+        torch.baddbmm(acc, a[None], b[None], out_dtype=torch.float32, out=acc)
+        logits = torch.mm(a, b, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    ref = a.float() @ b.float()
+    return bool(torch.allclose(acc[0], ref + 1, atol=1e-3) and torch.allclose(logits, ref, atol=1e-3))
 
-    Matmuls run in the hidden's dtype (bf16 under mixed precision: tensor cores, fp32 accumulation); the
-    log-softmax, the loss and d(loss)/d(logits) are fp32; the weight gradient is accumulated in fp32.
-    Forward computes, per chunk, the loss and the gradients w.r.t. the hidden chunk and the weight
-    (softmax - onehot); backward multiplies the stored gradients by the incoming scalar.
-    Peak extra memory: one `[chunk, V]` fp32 block (+ its low-precision copy) + grad buffers of the inputs.
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """(sum_t w_t CE_t, per-segment sums of CE_t) for CE_t = CE(hidden[t] @ weight.T, labels[t]) over labels
+    != -100, chunked over tokens. `segment_ends` cut the tokens into segments (main head, MTP heads);
+    `token_weight_T` (fp32 [T]) is each token's weight in the differentiable total.
+
+    Logits and their gradient matmuls run in the hidden's dtype (bf16 under mixed precision: tensor cores,
+    fp32 accumulation); logits, log-softmax, losses and d(loss)/d(logits) are fp32; the weight gradient is
+    accumulated in fp32. Forward computes, per chunk, the losses and the weighted gradients w.r.t. the hidden
+    chunk and the weight (w_t (softmax - onehot)); backward multiplies the stored gradients by the incoming
+    scalar. Peak extra memory: one `[chunk, V]` fp32 block (+ its compute-dtype copy) + the input gradients.
     """
 
     @staticmethod
-    def forward(ctx, hidden_TH, weight_VH, labels_T, chunk_tokens: int, compiled: bool):
+    def forward(ctx, hidden_TH, weight_VH, labels_T, token_weight_T, segment_ends, chunk_tokens, compiled):
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        chunk_fn = _compiled_chunk_loss_and_grad() if compiled else _chunk_loss_and_grad
+        chunk_fn = _compiled_chunk_ce_and_grad() if compiled else _chunk_ce_and_grad
         mm_dtype = hidden_TH.dtype
         w_VH = weight_VH.to(mm_dtype)
+        fp32_out = mm_dtype != torch.float32 and _fp32_out_gemms(hidden_TH.device)
         T = hidden_TH.shape[0]
-        loss = torch.zeros((), dtype=torch.float32, device=hidden_TH.device)
+        ce_T = torch.empty(T, dtype=torch.float32, device=hidden_TH.device)
         grad_hidden_TH = torch.empty_like(hidden_TH) if needs_grad else None
-        grad_weight_VH = torch.zeros_like(weight_VH, dtype=torch.float32) if needs_grad else None
+        grad_weight_VH = (
+            torch.empty(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if needs_grad else None
+        )
         for start in range(0, T, chunk_tokens):
-            h_CH = hidden_TH[start : start + chunk_tokens]
-            y_C = labels_T[start : start + chunk_tokens]
-            chunk_loss, grad_logits_CV = chunk_fn(h_CH, w_VH, y_C)
-            loss += chunk_loss
-            if needs_grad:
-                g_CV = grad_logits_CV.to(mm_dtype)
-                del grad_logits_CV
-                grad_hidden_TH[start : start + chunk_tokens] = g_CV @ w_VH
-                if mm_dtype == torch.float32:
-                    grad_weight_VH.addmm_(g_CV.t(), h_CH)
-                else:
-                    grad_weight_VH += (g_CV.t() @ h_CH).float()
+            stop = min(start + chunk_tokens, T)
+            h_CH = hidden_TH[start:stop]
+            if fp32_out:
+                logits_CV = torch.mm(h_CH, w_VH.t(), out_dtype=torch.float32)
+            else:
+                logits_CV = (h_CH @ w_VH.t()).float()
+            ce_T[start:stop], g_CV = chunk_fn(logits_CV, labels_T[start:stop], token_weight_T[start:stop], mm_dtype)
+            del logits_CV
+            if not needs_grad:
+                continue
+            torch.mm(g_CV, w_VH, out=grad_hidden_TH[start:stop])
+            _accumulate_weight_grad(grad_weight_VH, g_CV.t(), h_CH, first=start == 0, fp32_out=fp32_out)
+            del g_CV
         if needs_grad:
             ctx.save_for_backward(grad_hidden_TH, grad_weight_VH)
             ctx.weight_dtype = weight_VH.dtype
-        return loss
+        total = (ce_T * token_weight_T).sum()
+        bounds = [0, *segment_ends]
+        per_segment = torch.stack([ce_T[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:])])
+        ctx.mark_non_differentiable(per_segment)
+        return total, per_segment
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_total, _grad_per_segment):
         grad_hidden_TH, grad_weight_VH = ctx.saved_tensors
-        g_h = (grad_hidden_TH * grad_loss.to(grad_hidden_TH.dtype)) if ctx.needs_input_grad[0] else None
-        g_w = (grad_weight_VH * grad_loss).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return g_h, g_w, None, None, None
+        g_h = (grad_hidden_TH * grad_total.to(grad_hidden_TH.dtype)) if ctx.needs_input_grad[0] else None
+        g_w = None
+        if ctx.needs_input_grad[1]:  # scale and cast in one kernel
+            g_w = torch.mul(grad_weight_VH, grad_total, out=torch.empty_like(grad_weight_VH, dtype=ctx.weight_dtype))
+        return g_h, g_w, None, None, None, None, None
 
 
-def _chunk_loss_and_grad(h_CH: torch.Tensor, w_VH: torch.Tensor, y_C: torch.Tensor):
-    """One chunk: (fp32 sum of CE over labelled rows, fp32 d(sum CE)/d logits [C, V] = softmax - onehot,
-    zero on ignored rows). The logits matmul runs in the inputs' dtype, everything after it in fp32."""
+def _accumulate_weight_grad(acc_VH: torch.Tensor, g_VC: torch.Tensor, h_CH: torch.Tensor, first: bool, fp32_out: bool):
+    """acc (fp32) <- g @ h (first chunk) or acc + g @ h. With `fp32_out` the bf16 GEMM accumulates into the fp32
+    buffer itself (C = acc, beta = 1); otherwise fp32 inputs use addmm, and other dtypes a product, a cast and
+    an add (the fallback)."""
+    if fp32_out:
+        acc_1VH = acc_VH.unsqueeze(0)  # the same tensor as self and out: no copy of acc
+        torch.baddbmm(acc_1VH, g_VC[None], h_CH[None], beta=0.0 if first else 1.0, out_dtype=torch.float32, out=acc_1VH)
+    elif g_VC.dtype == torch.float32:
+        torch.addmm(acc_VH, g_VC, h_CH, beta=0.0 if first else 1.0, out=acc_VH)
+    elif first:
+        acc_VH.copy_(g_VC @ h_CH)
+    else:
+        acc_VH += (g_VC @ h_CH).float()
+
+
+def _chunk_ce_and_grad(logits_CV: torch.Tensor, y_C: torch.Tensor, w_C: torch.Tensor, grad_dtype: torch.dtype):
+    """One chunk from its fp32 logits: (fp32 CE per token [C], zero on ignored rows; d(sum_t w_t CE_t)/d logits
+    = w_t (softmax - onehot) [C, V] in `grad_dtype`, zero on ignored rows). The logits buffer is reused."""
     valid_C = y_C != IGNORE_INDEX
-    logits_CV = (h_CH @ w_VH.t()).float()
     lse_C = torch.logsumexp(logits_CV, dim=-1)
     safe_y_C = torch.where(valid_C, y_C, torch.zeros_like(y_C))
     target_logit_C = logits_CV.gather(1, safe_y_C[:, None]).squeeze(1)
-    loss = ((lse_C - target_logit_C) * valid_C).sum()
-    valid_C1 = valid_C[:, None].to(logits_CV.dtype)
+    ce_C = (lse_C - target_logit_C) * valid_C
     grad_CV = (logits_CV - lse_C[:, None]).exp_()  # softmax; the logits buffer is free after this
-    grad_CV.scatter_add_(1, safe_y_C[:, None], -torch.ones_like(valid_C1))  # - onehot
-    return loss, grad_CV.mul_(valid_C1)
+    grad_CV.scatter_add_(1, safe_y_C[:, None], -torch.ones_like(lse_C[:, None]))  # - onehot
+    return ce_C, grad_CV.mul_((w_C * valid_C)[:, None]).to(grad_dtype)
 
 
 @functools.cache
-def _compiled_chunk_loss_and_grad():
-    """torch.compile'd `_chunk_loss_and_grad` (fuses the softmax / one-hot arithmetic of a chunk)."""
-    return torch.compile(_chunk_loss_and_grad, dynamic=True)
+def _compiled_chunk_ce_and_grad():
+    """torch.compile'd `_chunk_ce_and_grad` (fuses the softmax / one-hot / weight / cast arithmetic of a chunk)."""
+    return torch.compile(_chunk_ce_and_grad, dynamic=True)
 
 
-@functools.cache
-def _liger_loss_fn():
-    """liger-kernel's fused linear CE (reduction='sum'), or None when it is not importable."""
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-    except Exception:  # ImportError, or triton missing/broken
-        return None
-    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
+def linear_cross_entropy_segments(
+    hiddens: list[torch.Tensor],
+    weight_VH: torch.Tensor,
+    labels: list[torch.Tensor],
+    weights: list[torch.Tensor | float],
+    chunk_tokens: int | None = None,
+    compiled: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass over the head weight for several loss terms sharing it (main head + MTP heads).
+
+    Term s: hidden `hiddens[s]` [..., H], labels `labels[s]` [...] (long, -100 = ignore), weight `weights[s]`
+    (float or 0-dim tensor). Returns (sum_s weights[s] * CE_sum_s, a differentiable fp32 0-dim tensor; the
+    per-term sums CE_sum_s, fp32 [S], detached). Same value and gradients as the weighted sum of separate
+    `linear_cross_entropy_sum` calls, up to fp32 summation order.
+    """
+    if not (len(hiddens) == len(labels) == len(weights)) or not hiddens:
+        raise ValueError(f"{len(hiddens)} hidden tensors, {len(labels)} label tensors and {len(weights)} weights")
+    h_TH = [h.reshape(-1, h.shape[-1]) for h in hiddens]
+    y_T = [y.reshape(-1) for y in labels]
+    device = h_TH[0].device
+    token_weight_T = torch.cat(
+        [torch.as_tensor(w, dtype=torch.float32, device=device).expand(h.shape[0]) for h, w in zip(h_TH, weights)]
+    )
+    ends, n = [], 0
+    for h in h_TH:
+        n += h.shape[0]
+        ends.append(n)
+    hidden_TH = h_TH[0] if len(h_TH) == 1 else torch.cat(h_TH)
+    labels_T = y_T[0] if len(y_T) == 1 else torch.cat(y_T)
+    chunk = chunk_tokens or default_chunk_tokens(weight_VH.shape[0])
+    return _ChunkedLinearCrossEntropy.apply(
+        hidden_TH, weight_VH, labels_T, token_weight_T, tuple(ends), chunk, compiled
+    )
 
 
 def linear_cross_entropy_sum(
@@ -113,23 +191,12 @@ def linear_cross_entropy_sum(
     weight_VH: torch.Tensor,
     labels: torch.Tensor,
     chunk_tokens: int | None = None,
-    use_liger: bool = True,
     compiled: bool = False,
 ) -> torch.Tensor:
-    """Sum over labelled tokens of CE(hidden @ weight.T, labels): fp32 0-dim tensor.
-
-    hidden [..., H] and labels [...] (long, -100 = ignore) are flattened to tokens. On CUDA with
-    liger-kernel importable (and `use_liger`), liger's fused kernel is used; otherwise the chunked
-    PyTorch implementation above (`compiled`: its per-chunk arithmetic under torch.compile).
-    """
-    hidden_TH = hidden.reshape(-1, hidden.shape[-1])
-    labels_T = labels.reshape(-1)
-    if use_liger and hidden_TH.is_cuda:
-        liger = _liger_loss_fn()
-        if liger is not None:
-            return liger(weight_VH, hidden_TH, labels_T).float()
-    chunk = chunk_tokens or default_chunk_tokens(weight_VH.shape[0])
-    return _ChunkedLinearCrossEntropy.apply(hidden_TH, weight_VH, labels_T, chunk, compiled)
+    """Sum over labelled tokens of CE(hidden @ weight.T, labels): fp32 0-dim tensor (hidden [..., H], labels [...],
+    long, -100 = ignore). `compiled`: the per-chunk softmax arithmetic under torch.compile."""
+    total, _ = linear_cross_entropy_segments([hidden], weight_VH, [labels], [1.0], chunk_tokens, compiled)
+    return total
 
 
 def shift_labels(labels_BS: torch.Tensor, shift: int, document_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
@@ -185,17 +252,17 @@ def micro_batch_loss(
     1 / (micro-batches x data ranks), so the balance term adds up to its global mean.
     """
     norms = normalisers.clamp(min=1).float()
-    ce = linear_cross_entropy_sum(out.hidden, lm_head_weight, labels_BS, chunk_tokens, compiled=compiled) / norms[0]
-    total = ce
-    mtp = torch.zeros((), device=ce.device)
     mtp_hidden = out.mtp_hidden or []
-    if mtp_hidden:
-        terms = [
-            linear_cross_entropy_sum(h, lm_head_weight, y, chunk_tokens, compiled=compiled) / norms[k + 1]
-            for k, (h, y) in enumerate(zip(mtp_hidden, mtp_labels, strict=True))
-        ]
-        mtp = torch.stack(terms).mean()
-        total = total + mtp_loss_weight * mtp
+    k = len(mtp_hidden)
+    if k and len(mtp_labels) != k:
+        raise ValueError(f"{k} MTP hidden states but {len(mtp_labels)} MTP label tensors")
+    # main CE / N_main + mtp_loss_weight * mean_k(MTP_k / N_k): one chunked pass over the head weight for all
+    weights = [1.0 / norms[0]] + [mtp_loss_weight / (k * norms[i + 1]) for i in range(k)]
+    total, sums = linear_cross_entropy_segments(
+        [out.hidden, *mtp_hidden], lm_head_weight, [labels_BS, *mtp_labels[:k]], weights, chunk_tokens, compiled
+    )
+    ce = sums[0] / norms[0]
+    mtp = (sums[1:] / norms[1:]).mean() if k else torch.zeros((), device=ce.device)
     balance = out.balance_loss
     if balance is None:
         balance = torch.zeros((), device=ce.device)

@@ -9,8 +9,21 @@ A parameter is a 2-D matrix, or a 3-D stack [E, out, in] of E independent expert
 may set `row_split = s`: each matrix's rows are cut into `s` equal blocks that are orthogonalised (and
 scaled) separately — used for the fused expert `gate_up_proj` [E, 2I, H] (gate half, up half).
 
-Local matrices of the same shape (e.g. `wq_a` of every layer) are orthogonalised in one batched NS call
-(up to 2^27 elements per batch), which turns thousands of tiny GPU kernels into a few large ones.
+One step, in launches (model-spec §8.1 arithmetic: momentum, norms, division and update in fp32; the NS
+input stored and iterated in the NS dtype, bf16 on CUDA):
+  1. Matrices are bucketed by their wide shape [min(r, c), max(r, c)] (r = rows / row_split) and lr: the same
+     bucket takes `wq_a` of every layer, the gate and up halves of every expert stack, and `down_proj`
+     [E, H, I] transposed next to `gate_up_proj`'s [I, H] halves; the Moonlight scale depends only on
+     max(r, c), so `-lr * scale` is one number per bucket.
+  2. Per parameter, two elementwise kernels: momentum `M <- G + mu M` (one `add` written into M), then the
+     Nesterov input `G + mu M` (fp32 arithmetic) written straight into the parameter's slots of the bucket's
+     stack [N, m, k] in the NS dtype (tall ones through a transposed view): no intermediate tensor, no cast.
+  3. One Newton-Schulz per bucket (up to 2^27 elements; a parameter is never split): Frobenius norms
+     accumulated in fp32, division in fp32 arithmetic in place on the stack, iterations in the NS dtype,
+     every product one batched matmul over the N matrices; the last product also applies `-lr * scale`
+     (baddbmm's alpha / beta), so the stack holds the finished update `D = -lr * scale * O`.
+  4. Decay and update in one kernel per parameter: `W <- D + (1 - lr wd) W` (one `add` written into W,
+     reading the bf16 stack directly; fp32 arithmetic).
 
 Placement rules (what decides the communication):
   * plain tensor or fully replicated DTensor: orthogonalise locally.
@@ -20,9 +33,11 @@ Placement rules (what decides the communication):
     stacks sharded over expert-parallel ranks and then by FSDP2 (placements (_StridedShard(0), Shard(0))).
   * 2-D matrix sharded along dim 0 over one mesh dim: the FULL matrix is orthogonalised, never a shard.
     Each matrix gets one owner rank (greedy longest-processing-time over NS FLOPs, so deterministic from
-    shapes alone). Matrices are processed in chunks of `world` matrices: an all-to-all sends every rank's
-    rows of the Nesterov input to the owner (in `comm_dtype`), the owner runs NS, a second all-to-all
-    returns each rank's rows of the result, and every rank applies decay + update to its local rows.
+    shapes alone). Matrices are processed in chunks of one wide shape (up to about `world` stacks of 2^27
+    elements): an all-to-all sends every rank's rows of the Nesterov input (written straight into the send
+    buffer in `comm_dtype`) to their owners, each owner places the rows of its matrices of the chunk into one
+    stack and runs one batched NS, a second all-to-all returns each rank's rows of the result, and every rank
+    applies decay + update to its local rows in one kernel (step 4).
     The gather of chunk i+1 is issued (async) before NS of chunk i, so communication overlaps compute,
     and the first gather is in flight while the local (unsharded / expert) matrices are orthogonalised.
     Every rank of the group must hold gradients for the same row-sharded parameters (FSDP2 guarantees
@@ -43,9 +58,9 @@ import torch
 import torch.distributed as dist
 
 from optimizer._dtensor import chunk_range, local, shard0_mesh_dims
-from optimizer.newton_schulz import NS_COEFFICIENTS, NS_EPS, default_ns_dtype, newton_schulz
+from optimizer.newton_schulz import NS_COEFFICIENTS, NS_EPS, default_ns_dtype, orthogonalise_wide_
 
-# Same-shape local updates are orthogonalised together in batches of at most this many elements.
+# A bucket's stack holds at most this many elements (a parameter larger than that gets a stack of its own).
 _LOCAL_BATCH_ELEMENTS = 1 << 27
 
 # Moonlight's RMS-matching factor: update RMS ~= 0.2, AdamW's typical update RMS.
@@ -79,14 +94,59 @@ def _ns_flops(shape: torch.Size, row_split: int, steps: int) -> float:
 
 
 @dataclass
-class _ShardedItem:
-    """A 2-D row-sharded parameter waiting for the owner pipeline."""
+class _Entry:
+    """One parameter's matrices (`count` blocks [rows, cols], from its local tensor or, on the owner path,
+    its full matrix) occupying slots [start, start + count) of a bucket stack [N, m, k] with m <= k."""
 
-    param: torch.Tensor  # DTensor
-    update_local: torch.Tensor  # [local_rows, B] Nesterov input on this rank
+    param: torch.Tensor
     group: dict
-    flops: float
-    owner: int = -1
+    count: int
+    rows: int
+    cols: int
+    start: int = 0
+    owner: int = -1  # owner path only
+
+    @property
+    def transposed(self) -> bool:
+        return self.rows > self.cols
+
+    @property
+    def wide_shape(self) -> tuple[int, int]:
+        return min(self.rows, self.cols), max(self.rows, self.cols)
+
+    def slots(self, stack: torch.Tensor) -> torch.Tensor:
+        """This entry's matrices in `stack` as a [count, rows, cols] view (transposed view for tall ones)."""
+        mine = stack[self.start : self.start + self.count]
+        return mine.mT if self.transposed else mine
+
+    def scale(self) -> float:
+        return update_scale(self.rows, self.cols)
+
+
+def _momentum_and_nesterov(out: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
+    """M <- G + mu M (in place, one kernel); out <- G + mu M (Nesterov) or M, in out's dtype, fp32 arithmetic,
+    without an intermediate tensor."""
+    mu = group["momentum"]
+    torch.add(grad, buf, alpha=mu, out=buf)
+    if group["nesterov"]:
+        torch.add(grad, buf, alpha=mu, out=out)
+    else:
+        out.copy_(buf)
+
+
+def _decay_and_update(p_local: torch.Tensor, delta: torch.Tensor, group: dict) -> None:
+    """W <- delta + (1 - lr wd) W in one kernel (`delta` = -lr * scale * O, any float dtype; fp32 arithmetic)."""
+    torch.add(delta, p_local, alpha=1.0 - group["lr"] * group["weight_decay"], out=p_local)
+
+
+def _block_rows(total_rows: int, row_split: int, r0: int, r1: int):
+    """Rows [r0, r1) of a [total_rows, C] matrix cut in `row_split` blocks: yields (block, first row in the
+    block, first row in [r0, r1), count) for each block the range touches."""
+    block_rows = total_rows // row_split
+    for block in range(row_split):
+        lo, hi = max(r0, block * block_rows), min(r1, (block + 1) * block_rows)
+        if lo < hi:
+            yield block, lo - block * block_rows, lo - r0, hi - lo
 
 
 class Muon(torch.optim.Optimizer):
@@ -140,6 +200,11 @@ class Muon(torch.optim.Optimizer):
             )
         if p.shape[-2] % row_split:
             raise ValueError(f"Muon: row_split={row_split} does not divide the rows of shape {tuple(p.shape)}")
+        if not local(p).is_contiguous():
+            raise ValueError(
+                f"Muon: parameter of shape {tuple(p.shape)} is not contiguous (the update is applied through a "
+                "[matrices, rows, cols] view of it); make it contiguous before building the optimizer"
+            )
         dims = _split_mesh_dims(p)
         if p.ndim == 2 and len(dims) > 1:
             raise ValueError(
@@ -147,24 +212,24 @@ class Muon(torch.optim.Optimizer):
                 f"({tuple(p.placements)}) is not supported; shard over one mesh dim (FSDP2 / HSDP)"
             )
 
-    # ------------------------------------------------------------------ math on one (local) block
-    def _orthogonalise(self, u: torch.Tensor, row_split: int, ns_steps: int) -> torch.Tensor:
-        """NS of every [rows/row_split, cols] block of `u` [..., rows, cols]; same shape as `u`."""
-        rows, cols = u.shape[-2], u.shape[-1]
-        blocks = u.reshape(*u.shape[:-2], row_split, rows // row_split, cols)
-        out = newton_schulz(blocks, ns_steps, self.ns_coefficients, self.eps, self._ns_dtype(u))
-        return out.reshape(u.shape)
-
     def _ns_dtype(self, t: torch.Tensor) -> torch.dtype:
         return self.ns_dtype or default_ns_dtype(t.device)
 
-    @staticmethod
-    def _apply(p_local: torch.Tensor, ortho: torch.Tensor, group: dict, full_shape: torch.Size) -> None:
-        lr, wd = group["lr"], group["weight_decay"]
-        rows, cols = _matrix_shape(full_shape, group["row_split"])
-        if wd:
-            p_local.mul_(1.0 - lr * wd)
-        p_local.add_(ortho.to(p_local.dtype), alpha=-lr * update_scale(rows, cols))
+    def _update_stack(self, stack: torch.Tensor, entries: list[_Entry]) -> torch.Tensor:
+        """NS of a bucket stack [N, m, k] (overwritten), times the bucket's -lr * scale: [N, m, k] in the NS
+        dtype, the finished update of every matrix."""
+        e = entries[0]
+        scale = -e.group["lr"] * e.scale()
+        return orthogonalise_wide_(stack, e.group["ns_steps"], self.ns_coefficients, self.eps, out_scale=scale)
+
+    def _new_stack(self, entries: list[_Entry], device: torch.device) -> torch.Tensor:
+        """An uninitialised stack for `entries` (wide shape shared), setting each entry's start slot."""
+        n = 0
+        for e in entries:
+            e.start, n = n, n + e.count
+        m, k = entries[0].wide_shape
+        ns_dtype = self.ns_dtype or default_ns_dtype(device)
+        return torch.empty(n, m, k, device=device, dtype=ns_dtype)
 
     def init_state(self) -> None:
         """Create the zero momentum buffers of every parameter without stepping. DCP's
@@ -182,133 +247,147 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        sharded: dict[tuple, list[_ShardedItem]] = {}
-        local_buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, dict]]] = {}
+        sharded: dict[tuple, list[_Entry]] = {}
+        buckets: dict[tuple, list[_Entry]] = {}
         for group in self.param_groups:
-            mu = group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                g, m = local(p.grad), local(state["momentum_buffer"])
-                m.mul_(mu).add_(g)
-                update = g.add(m, alpha=mu) if group["nesterov"] else m
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            split = group["row_split"]
+            for p in params:
+                rows, cols = _matrix_shape(p.shape, split)
                 mesh_dims = _split_mesh_dims(p)
                 if p.ndim == 3 or not mesh_dims:
-                    key = (tuple(update.shape), update.dtype, update.device, group["row_split"], group["ns_steps"])
-                    bucket = local_buckets.setdefault(key, [])
-                    if bucket and (len(bucket) + 1) * update.numel() > _LOCAL_BATCH_ELEMENTS:
-                        self._step_local(bucket)
-                        bucket.clear()
-                    bucket.append((p, update, group))
+                    entry = _Entry(p, group, local(p).shape[:-2].numel() * split, rows, cols)
+                    if entry.count:  # an expert shard may hold zero experts
+                        key = (entry.wide_shape, local(p).device, group["ns_steps"], group["lr"])
+                        buckets.setdefault(key, []).append(entry)
                 else:
                     key = (id(p.device_mesh), mesh_dims[0])
-                    flops = _ns_flops(p.shape, group["row_split"], group["ns_steps"])
-                    sharded.setdefault(key, []).append(_ShardedItem(p, update, group, flops))
+                    sharded.setdefault(key, []).append(_Entry(p, group, split, rows, cols))
         # start every sharded pipeline (its first all-to-all is in flight during the local NS), then finish them
-        pipelines = [self._sharded_pipeline(items) for items in sharded.values()]
+        pipelines = [self._sharded_pipeline(entries) for entries in sharded.values()]
         for pipeline in pipelines:
             next(pipeline)
-        for bucket in local_buckets.values():
-            self._step_local(bucket)
+        for entries in buckets.values():
+            for batch in _batches(entries):
+                self._step_local(batch)
         for pipeline in pipelines:
             for _ in pipeline:
                 pass
         return loss
 
-    def _step_local(self, bucket: list[tuple[torch.Tensor, torch.Tensor, dict]]) -> None:
-        """NS of same-shape local updates as one batched call (few large kernels instead of many tiny
-        ones), then decay + update per parameter."""
-        _, first_update, first_group = bucket[0]
-        stacked = first_update[None] if len(bucket) == 1 else torch.stack([u for _, u, _ in bucket])
-        ortho = self._orthogonalise(stacked, first_group["row_split"], first_group["ns_steps"])
-        for (p, _, group), o in zip(bucket, ortho):
-            self._apply(local(p), o, group, p.shape)
+    def _step_local(self, entries: list[_Entry]) -> None:
+        """One bucket batch: momentum + Nesterov inputs into the stack, one NS (update scale folded in), one
+        decay + update kernel per parameter."""
+        stack = self._new_stack(entries, local(entries[0].param).device)
+        for e in entries:
+            shape = (e.count, e.rows, e.cols)
+            grad, buf = local(e.param.grad).reshape(shape), local(self.state[e.param]["momentum_buffer"]).view(shape)
+            _momentum_and_nesterov(e.slots(stack), grad, buf, e.group)
+        delta = self._update_stack(stack, entries)
+        for e in entries:
+            _decay_and_update(local(e.param).view(e.count, e.rows, e.cols), e.slots(delta), e.group)
 
     # ------------------------------------------------------------------ distributed (owner) path
-    def _sharded_pipeline(self, items: list[_ShardedItem]):
+    def _sharded_pipeline(self, entries: list[_Entry]):
         """Owner pipeline for row-sharded 2-D matrices of one mesh group (see module doc). A generator: it
         pauses once, right after issuing the first gather, so the caller can overlap other work."""
-        p0 = items[0].param
+        p0 = entries[0].param
         mesh_dim = _split_mesh_dims(p0)[0]
         pg = p0.device_mesh.get_group(mesh_dim)
         world, me = p0.device_mesh.size(mesh_dim), p0.device_mesh.get_local_rank(mesh_dim)
         # Greedy LPT owner assignment; the order depends only on shapes, so every rank agrees.
-        order = sorted(range(len(items)), key=lambda i: (-items[i].flops, i))
+        flops = [_ns_flops(e.param.shape, e.group["row_split"], e.group["ns_steps"]) for e in entries]
+        order = sorted(range(len(entries)), key=lambda i: (-flops[i], i))
         load = [0.0] * world
         for i in order:
             owner = min(range(world), key=lambda r: (load[r], r))
-            items[i].owner = owner
-            load[owner] += items[i].flops
-        ordered = [items[i] for i in order]
-        chunks = [ordered[i : i + world] for i in range(0, len(ordered), world)]
+            entries[i].owner = owner
+            load[owner] += flops[i]
+        # Chunks: same wide shape (one batched NS per owner), at most about `world` stacks' worth of elements.
+        by_shape: dict[tuple, list[_Entry]] = {}
+        for i in order:
+            e = entries[i]
+            by_shape.setdefault((e.wide_shape, e.group["ns_steps"], e.group["lr"]), []).append(e)
+        chunks = []
+        for same in by_shape.values():
+            per_chunk = world * max(1, _LOCAL_BATCH_ELEMENTS // same[0].param.numel())
+            chunks += [same[i : i + per_chunk] for i in range(0, len(same), per_chunk)]
         comm_dtype = self.comm_dtype or self._ns_dtype(p0)
-
         device = local(p0).device
 
-        def rows_of(item: _ShardedItem, rank: int) -> tuple[int, int]:
-            return chunk_range(item.param.shape[0], world, rank)
+        def rows_of(e: _Entry, rank: int) -> tuple[int, int]:
+            return chunk_range(e.param.shape[0], world, rank)
 
-        def numel_on(item: _ShardedItem, rank: int) -> int:
-            r0, r1 = rows_of(item, rank)
-            return (r1 - r0) * item.param.shape[1]
+        def numel_on(e: _Entry, rank: int) -> int:
+            r0, r1 = rows_of(e, rank)
+            return (r1 - r0) * e.param.shape[1]
 
-        def exchange(sends: list[torch.Tensor], in_split: list[int], out_split: list[int]):
-            send = torch.cat(sends).to(comm_dtype) if sends else torch.empty(0, dtype=comm_dtype, device=device)
+        def all_to_all(send: torch.Tensor, in_split: list[int], out_split: list[int]):
             recv = send.new_empty(sum(out_split))
             work = dist.all_to_all_single(recv, send, out_split, in_split, group=pg, async_op=True)
             return work, recv, out_split
 
         def launch_gather(chunk):
-            sends, in_split, out_split = [], [], []
+            """Every rank's rows of the Nesterov input, written straight into the send buffer, to the owner."""
+            in_split = [sum(numel_on(e, me) for e in chunk if e.owner == dst) for dst in range(world)]
+            out_split = [sum(numel_on(e, src) for e in chunk if e.owner == me) for src in range(world)]
+            send = torch.empty(sum(in_split), dtype=comm_dtype, device=device)
+            offset = 0
             for dst in range(world):
-                mine = [it.update_local.reshape(-1) for it in chunk if it.owner == dst]
-                sends.extend(mine)
-                in_split.append(sum(t.numel() for t in mine))
-            for src in range(world):
-                out_split.append(sum(numel_on(it, src) for it in chunk if it.owner == me))
-            return exchange(sends, in_split, out_split)
+                for e in (e for e in chunk if e.owner == dst):
+                    g, buf = local(e.param.grad), local(self.state[e.param]["momentum_buffer"])
+                    _momentum_and_nesterov(send[offset : offset + g.numel()].view(g.shape), g, buf, e.group)
+                    offset += g.numel()
+            return all_to_all(send, in_split, out_split)
 
         def orthogonalise_owned(chunk, recv, out_split):
-            """Assemble each owned full matrix from the ranks' rows, NS it; returns {item index: O}."""
-            pieces = list(torch.split(recv, out_split))
-            owned = [it for it in chunk if it.owner == me]
-            full_rows: dict[int, list[torch.Tensor]] = {id(it): [] for it in owned}
+            """Place each owned matrix's rows from every rank into one stack and orthogonalise it."""
+            owned = [e for e in chunk if e.owner == me]
+            if not owned:
+                return owned, None
+            stack = self._new_stack(owned, device)
+            pieces = torch.split(recv, out_split)
             for src in range(world):
                 offset = 0
-                for it in owned:
-                    n, cols = numel_on(it, src), it.param.shape[1]
-                    full_rows[id(it)].append(pieces[src][offset : offset + n].view(n // cols, cols))
-                    offset += n
-            return {
-                id(it): self._orthogonalise(torch.cat(full_rows[id(it)]), it.group["row_split"], it.group["ns_steps"])
-                for it in owned
-            }
+                for e in owned:
+                    (r0, r1), cols = rows_of(e, src), e.param.shape[1]
+                    rows_from_src = pieces[src][offset : offset + (r1 - r0) * cols].view(r1 - r0, cols)
+                    offset += (r1 - r0) * cols
+                    slots = e.slots(stack)
+                    for block, at, first, n in _block_rows(e.param.shape[0], e.count, r0, r1):
+                        slots[block, at : at + n].copy_(rows_from_src[first : first + n])
+            return owned, self._update_stack(stack, owned)
 
-        def launch_scatter(chunk, ortho_owned):
-            sends, in_split, out_split = [], [], []
-            owned = [it for it in chunk if it.owner == me]
+        def launch_scatter(chunk, owned, ortho):
+            """Each rank's rows of the owned results back to it."""
+            in_split = [sum(numel_on(e, dst) for e in owned) for dst in range(world)]
+            out_split = [sum(numel_on(e, me) for e in chunk if e.owner == src) for src in range(world)]
+            send = torch.empty(sum(in_split), dtype=comm_dtype, device=device)
+            offset = 0
             for dst in range(world):
-                mine = [ortho_owned[id(it)][slice(*rows_of(it, dst))].reshape(-1) for it in owned]
-                sends.extend(mine)
-                in_split.append(sum(t.numel() for t in mine))
-            for src in range(world):
-                out_split.append(sum(it.update_local.numel() for it in chunk if it.owner == src))
-            return exchange(sends, in_split, out_split)
+                for e in owned:
+                    (r0, r1), cols = rows_of(e, dst), e.param.shape[1]
+                    rows_to_dst = send[offset : offset + (r1 - r0) * cols].view(r1 - r0, cols)
+                    offset += (r1 - r0) * cols
+                    slots = e.slots(ortho)
+                    for block, at, first, n in _block_rows(e.param.shape[0], e.count, r0, r1):
+                        rows_to_dst[first : first + n].copy_(slots[block, at : at + n])
+            return all_to_all(send, in_split, out_split)
 
         def apply_received(chunk, recv, out_split):
-            pieces = list(torch.split(recv, out_split))
+            pieces = torch.split(recv, out_split)
             for src in range(world):
                 offset = 0
-                for it in chunk:
-                    if it.owner != src:
-                        continue
-                    n = it.update_local.numel()
-                    ortho_local = pieces[src][offset : offset + n].view(it.update_local.shape)
-                    offset += n
-                    self._apply(local(it.param), ortho_local, it.group, it.param.shape)
+                for e in (e for e in chunk if e.owner == src):
+                    p_local = local(e.param)
+                    ortho_local = pieces[src][offset : offset + p_local.numel()].view(p_local.shape)
+                    offset += p_local.numel()
+                    _decay_and_update(p_local, ortho_local, e.group)
 
         gathers = [launch_gather(chunks[0])]
         yield
@@ -318,7 +397,21 @@ class Muon(torch.optim.Optimizer):
                 gathers.append(launch_gather(chunks[i + 1]))  # overlaps the NS below
             work, recv, out_split = gathers[i]
             work.wait()
-            scatters.append((chunk, launch_scatter(chunk, orthogonalise_owned(chunk, recv, out_split))))
+            scatters.append((chunk, launch_scatter(chunk, *orthogonalise_owned(chunk, recv, out_split))))
         for chunk, (work, recv, out_split) in scatters:
             work.wait()
             apply_received(chunk, recv, out_split)
+
+
+def _batches(entries: list[_Entry]):
+    """Split a bucket into stacks of at most `_LOCAL_BATCH_ELEMENTS` elements (whole parameters)."""
+    batch, size = [], 0
+    for e in entries:
+        n = e.count * e.rows * e.cols
+        if batch and size + n > _LOCAL_BATCH_ELEMENTS:
+            yield batch
+            batch, size = [], 0
+        batch.append(e)
+        size += n
+    if batch:
+        yield batch

@@ -3,6 +3,11 @@
     X = M / (||M||_F + eps);  transpose when rows > cols;
     repeat `steps` times:  P = X X^T;  X <- a X + (b P + c P^2) X;   transpose back.
 
+Two entry points: `newton_schulz(m)` for any [..., A, B] (copies `m`), and `orthogonalise_wide_(stack)`, the
+core Muon calls on a stack [N, m, k] of wide matrices it has already built in the NS dtype (same-shape
+matrices of many parameters, tall ones transposed): normalisation with fp32 norms and fp32 division in place
+on the stack, iterations in the NS dtype (bf16 on CUDA), all N matrices in one batched matmul per product.
+
 `(a, b, c) = (3.4445, -4.7750, 2.0315)` (Keller Jordan's quintic): the singular values of the result land
 in roughly [0.7, 1.2] instead of exactly 1, which is what Muon wants (speed over exactness).
 
@@ -11,7 +16,7 @@ through `gram()`, which uses `bmm` / `baddbmm` by default and the Triton kernel 
 tensors when `MUON_GRAM_BACKEND=triton` (measured on an H200, bench/bench_optimizer.py: the Triton kernel
 is about 2x slower than cuBLAS at the motif3_small attention/MLP shapes and on par for the batched expert
 stacks, so it is opt-in until it wins); the last product
-`a X + poly X` is one `baddbmm`. Matrices are flattened to one batch dim [B, m, k] for the loop.
+`a X + poly X` is one `baddbmm`.
 """
 
 from __future__ import annotations
@@ -51,6 +56,24 @@ def gram(x: torch.Tensor, add: torch.Tensor | None = None, alpha: float = 1.0, b
     return torch.baddbmm(add, x, x.mT, beta=beta, alpha=alpha)
 
 
+def orthogonalise_wide_(
+    x: torch.Tensor, steps: int, coefficients: tuple[float, float, float], eps: float, out_scale: float = 1.0
+) -> torch.Tensor:
+    """NS of a contiguous stack of wide matrices `x` [N, m, k] (m <= k) in the NS dtype (x.dtype), which it
+    overwrites with the normalised input: Frobenius norms accumulated in fp32 (at least), the division done in
+    fp32 arithmetic and stored in place. Returns `out_scale` * NS(x), [N, m, k] in x.dtype; the scale is
+    applied inside the last product (baddbmm's alpha and beta), so it costs no extra pass."""
+    a, b, c = coefficients
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32))
+    x = x.div_(norm.add_(eps))  # [N, 1, 1] fp32 divisor: fp32 arithmetic, stored in x.dtype
+    for step in range(steps):
+        s = out_scale if step == steps - 1 else 1.0
+        p = gram(x)  # P = X X^T   [N, m, m]
+        poly = gram(p, add=p, alpha=c, beta=b)  # b P + c P^2   (P symmetric => P P^T = P^2)
+        x = torch.baddbmm(x, poly, x, beta=a * s, alpha=s)  # s (a X + poly X)
+    return x
+
+
 def newton_schulz(
     m: torch.Tensor,
     steps: int = 5,
@@ -59,21 +82,13 @@ def newton_schulz(
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Orthogonalise `m` [..., A, B] (each trailing matrix independently); returns `dtype`
-    (default: `default_ns_dtype(m.device)`) with the shape of `m`."""
+    (default: `default_ns_dtype(m.device)`) with the shape of `m`. `m` is left untouched."""
     if m.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(m.shape)}")
-    a, b, c = coefficients
     dtype = dtype or default_ns_dtype(m.device)
-    x = m.to(dtype)
-    transposed = x.shape[-2] > x.shape[-1]
-    if transposed:
-        x = x.mT
-    # Frobenius norm per matrix, computed in fp32 for range safety, applied in the NS dtype.
-    norm = torch.linalg.vector_norm(x.float(), dim=(-2, -1), keepdim=True)
-    x = (x / (norm + eps).to(dtype)).reshape(-1, x.shape[-2], x.shape[-1]).contiguous()  # [B, m, k]
-    for _ in range(steps):
-        p = gram(x)  # P = X X^T   [B, m, m]
-        poly = gram(p, add=p, alpha=c, beta=b)  # b P + c P^2   (P symmetric => P P^T = P^2)
-        x = torch.baddbmm(x, poly, x, beta=a)  # a X + poly X
-    x = x.reshape(*m.shape[:-2], *x.shape[-2:])
+    transposed = m.shape[-2] > m.shape[-1]
+    wide = m.mT if transposed else m
+    stack = torch.empty((wide.shape[:-2].numel(), *wide.shape[-2:]), device=m.device, dtype=dtype)
+    stack.view(wide.shape).copy_(wide)
+    x = orthogonalise_wide_(stack, steps, coefficients, eps).view(wide.shape)
     return x.mT if transposed else x

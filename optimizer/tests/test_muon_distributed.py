@@ -1,7 +1,8 @@
 """Distributed Muon on 2 and 4 gloo CPU ranks with FSDP2 (`fully_shard`) parameters vs single-process Muon.
 
 One spawn per world size runs every case (spawning dominates the cost): row-sharded 2-D matrices with
-uneven shards (13 rows, and 3 rows on 4 ranks => one empty shard) go through the owner all-to-all path;
+uneven shards (13 rows, and 3 rows on 4 ranks => one empty shard; same-shape and transposed matrices that
+an owner orthogonalises in one batch; a 2-D row-split matrix) go through the owner all-to-all path;
 expert stacks sharded on the expert dim (uneven, 3 experts on 4 ranks) and a row-split gate_up stack take the
 local path. NS runs in fp32 and the all-to-all in fp32, so each owner orthogonalises exactly the matrix the
 single process sees: the results agree to fp32 rounding (atol 1e-6 after 3 steps).
@@ -21,8 +22,18 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import optimizer  # noqa: F401 - imported in the parent so forked ranks start warm
 
-SHAPES = {"w_a": (13, 10), "w_b": (3, 8), "w_c": (16, 24), "w_d": (9, 9), "experts": (3, 10, 6), "gate_up": (5, 8, 6)}
-ROW_SPLIT = {"gate_up": 2}
+SHAPES = {
+    "w_a": (13, 10),
+    "w_b": (3, 8),
+    "w_c": (16, 24),
+    "w_d": (9, 9),
+    "w_a_again": (13, 10),  # same shape as w_a, and w_a_wide transposed: one batched NS per owner
+    "w_a_wide": (10, 13),
+    "w_split": (10, 8),  # 2-D with row_split 2: on 4 ranks the 3-row shards straddle the two blocks
+    "experts": (3, 10, 6),
+    "gate_up": (5, 8, 6),
+}
+ROW_SPLIT = {"gate_up": 2, "w_split": 2}
 STEPS = 3
 
 
@@ -192,3 +203,48 @@ def _hsdp_worker(rank, world, port, expected):
 def test_hsdp_muon_matches_single_process(free_port):
     expected = _single_process_result()
     mp.start_processes(_hsdp_worker, args=(4, free_port, expected), nprocs=4, join=True, start_method="fork")
+
+
+def _strided_experts_worker(rank, world, port):
+    """Expert stack under expert parallel + FSDP2: placements (_StridedShard(0), Shard(0)) on an (ep, dp) mesh;
+    each rank holds two whole experts. Muon orthogonalises them locally: no collective runs (all-to-all is
+    patched to fail) and each rank's experts get exactly the single-process update of those experts."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from optimizer import Muon
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("ep", "dp"))
+        placements = (_StridedShard(0, split_factor=world // 2), Shard(0))
+        full_w = torch.randn(2 * world, 10, 6, generator=torch.Generator().manual_seed(11))
+        full_grads = [torch.randn(2 * world, 10, 6, generator=torch.Generator().manual_seed(12 + s)) for s in range(2)]
+        mine = slice(2 * rank, 2 * rank + 2)  # which experts this rank holds does not matter to Muon
+
+        def as_dtensor(t):
+            return DTensor.from_local(
+                t[mine].clone(), mesh, placements, run_check=False, shape=t.shape, stride=t.stride()
+            )
+
+        p = nn.Parameter(as_dtensor(full_w))
+        ref = full_w.clone().requires_grad_()
+        opt, ref_opt = Muon([p], lr=0.03, ns_dtype=torch.float32), Muon([ref], lr=0.03, ns_dtype=torch.float32)
+
+        def no_collective(*args, **kwargs):
+            raise AssertionError("expert stacks sharded on dim 0 must not communicate")
+
+        dist.all_to_all_single = no_collective
+        for g in full_grads:
+            p.grad, ref.grad = as_dtensor(g), g.clone()
+            opt.step()
+            ref_opt.step()
+        torch.testing.assert_close(p.to_local(), ref.detach()[mine], rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_strided_shard_expert_stack_is_local(free_port):
+    mp.start_processes(_strided_experts_worker, args=(4, free_port), nprocs=4, join=True, start_method="fork")

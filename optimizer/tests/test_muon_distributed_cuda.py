@@ -1,8 +1,8 @@
 """Distributed Muon on 2 NCCL ranks (2 GPUs) with FSDP2 (`fully_shard`) parameters vs single-process Muon on one GPU.
 
 The CUDA twin of test_muon_distributed.py (same parameters, initial values and gradients, imported from it):
-row-sharded 2-D matrices with uneven shards (13 rows -> 7 + 6; 3 rows -> 2 + 1; 9 rows -> 5 + 4) take the owner
-all-to-all path, the expert stack [3, 10, 6] (uneven on the expert dim: 2 + 1 experts) and the row-split
+row-sharded 2-D matrices with uneven shards (13 rows -> 7 + 6; 3 rows -> 2 + 1; 9 rows -> 5 + 4; same-shape and
+transposed matrices batched per owner; a 2-D row-split matrix) take the owner all-to-all path, the expert stack [3, 10, 6] (uneven on the expert dim: 2 + 1 experts) and the row-split
 gate_up stack [5, 8, 6] take the local per-expert path. The reference runs in the test process on cuda:0.
 
 Two precisions, each compared after STEPS steps:
