@@ -249,9 +249,14 @@ def build_torchtitan_trainer(case: Case, device):
     from torchtitan.protocols.train_spec import get_train_spec
     from torchtitan.train import Trainer as TitanTrainer
 
+    _one_rank_process_group(device)  # torchtitan's train_step asks ParallelDims for its (1-rank) meshes
     jc = torchtitan_job_config(case)
     spec = get_train_spec("deepseek_v3")
     model_args = matched_torchtitan_args(case.shape.flavor_nomtp, case.shape.seq_len)
+    if device.type == "cpu":
+        # torchtitan's router counts tokens per expert with torch.histc on int64 indices, which has no CPU kernel
+        # (torch 2.13): on the CPU (the tiny smoke-test shape) every torchtitan layer is dense.
+        model_args.n_dense_layers = model_args.n_layers
     model_args.update_from_config(jc)
     parallel_dims = ParallelDims(dp_shard=-1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     with torch.device("meta"):
@@ -283,6 +288,24 @@ def build_torchtitan_trainer(case: Case, device):
         tt_flops, model_args.n_layers, model_args.n_heads, head_dims, jc.training.seq_len
     )
     return ns, flops, nparams
+
+
+def _one_rank_process_group(device) -> None:
+    """The 1-rank process group torchtitan's Trainer.init_distributed would create (nccl on a GPU, gloo on the
+    CPU). On the CPU, torchtitan's ParallelDims builds its meshes for `torchtitan.tools.utils.device_type`, which
+    is "cuda" whenever no accelerator is found; it is pointed at "cpu" here (this subprocess only)."""
+    import torch.distributed as dist
+
+    if device.type == "cpu":
+        import torchtitan.distributed.parallel_dims as titan_parallel_dims
+
+        titan_parallel_dims.device_type = "cpu"
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 # ---------------------------------------------------------------------------------------------- worker
