@@ -57,7 +57,7 @@ class Size:
     flavor: str
     flavor_nomtp: str
     seq_len: int
-    device: str
+    device: str  # "cuda", or "auto" (the GPU when one is visible, else the CPU)
     group_batch: dict  # group -> (local batch, micro-batches per optimizer step)
 
 
@@ -66,7 +66,7 @@ SIZES = {
         "motif3_proxy", "motif3_proxy_nomtp", 4096, "cuda", {"eager": (2, 1), "compiled": (4, 1), "accum": (4, 4)}
     ),
     "tiny": Size(
-        "motif3_debug", "motif3_debug_nomtp", 64, "cpu", {"eager": (2, 1), "compiled": (2, 1), "accum": (2, 2)}
+        "motif3_debug", "motif3_debug_nomtp", 64, "auto", {"eager": (2, 1), "compiled": (2, 1), "accum": (2, 2)}
     ),
 }
 
@@ -328,7 +328,7 @@ def run_worker(case: Case) -> dict:
 
     if case.shape.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"size {case.size!r} needs a CUDA GPU")
-    device = torch.device(case.shape.device)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     seq = case.shape.seq_len
     reset_compile_stats()
     t_build = time.perf_counter()
@@ -352,7 +352,7 @@ def run_worker(case: Case) -> dict:
         flavor = case.shape.flavor if case.system == "ours" else case.shape.flavor_nomtp
         vocab = get_flavor(flavor).vocab_size
         trainer = build_trainer(flavor, seq, case.batch, "none", case.compiled, tempfile.mkdtemp(prefix="bench_vs_tt_"),
-                                case.steps + case.warmup, case.accum, case.optimizer, case.shape.device)  # fmt: skip
+                                case.steps + case.warmup, case.accum, case.optimizer, device.type)  # fmt: skip
         nparams = sum(p.numel() for p in trainer.model.parameters())
         flops = our_flops_per_token(flavor, seq)
 
@@ -386,7 +386,10 @@ def run_case_subprocess(case: Case, timeout_s: float, log_dir: Path) -> dict:
     log = result.with_suffix(".log")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(dataclasses.asdict(case)),
            "--result", str(result)]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # a fresh inductor / triton cache per case: the first-step time is a cold compile, whatever ran before
+    cache = log_dir / f"cache_{result.stem}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+           "TRITON_CACHE_DIR": str(cache / "triton")}  # fmt: skip
     start = time.perf_counter()
     with open(log, "w") as log_f:
         proc = subprocess.Popen(cmd, stdout=log_f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
