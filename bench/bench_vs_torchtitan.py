@@ -328,7 +328,7 @@ def run_worker(case: Case) -> dict:
 
     if case.shape.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"size {case.size!r} needs a CUDA GPU")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     seq = case.shape.seq_len
     reset_compile_stats()
     t_build = time.perf_counter()
@@ -379,9 +379,10 @@ def run_worker(case: Case) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- driver
-def run_case_subprocess(case: Case, timeout_s: float, log_dir: Path) -> dict:
+def run_case_subprocess(case: Case, timeout_s: float, log_dir: Path, alloc_conf: str = "") -> dict:
     """Run `case` in a fresh interpreter (its own process group, killed whole on timeout); the row, or a FAIL row
-    with the reason (timeout, exit status and the last line of its stderr, e.g. CUDA out of memory)."""
+    with the reason (timeout, exit status and the last line of its stderr, e.g. CUDA out of memory).
+    `alloc_conf`: PYTORCH_CUDA_ALLOC_CONF of the case (the same for every system)."""
     result = log_dir / f"{case.name.replace('@', '_').replace('+', '_')}.json"
     log = result.with_suffix(".log")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(dataclasses.asdict(case)),
@@ -390,6 +391,8 @@ def run_case_subprocess(case: Case, timeout_s: float, log_dir: Path) -> dict:
     cache = log_dir / f"cache_{result.stem}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
            "TRITON_CACHE_DIR": str(cache / "triton")}  # fmt: skip
+    if alloc_conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
     start = time.perf_counter()
     with open(log, "w") as log_f:
         proc = subprocess.Popen(cmd, stdout=log_f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -473,6 +476,11 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per case (the first is the compile step)")
     p.add_argument("--timeout", type=float, default=480.0, help="seconds per case before it is killed (FAIL row)")
     p.add_argument("--nomtp-optimizers", default="adamw", help="optimizers of the ours_nomtp rows: adamw, muon or both")
+    p.add_argument(
+        "--alloc-conf",
+        default="expandable_segments:True",
+        help="PYTORCH_CUDA_ALLOC_CONF of every case (default: what torchtitan's run_train.sh sets)",
+    )
     p.add_argument("--out", default=str(BENCH_DIR / "results" / "bench_vs_torchtitan.json"))
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one case's JSON, run in this process
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -486,7 +494,7 @@ def main(argv=None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="bench_vs_torchtitan_"))
     rows = []
     for case in cases:
-        row = run_case_subprocess(case, a.timeout, log_dir)
+        row = run_case_subprocess(case, a.timeout, log_dir, a.alloc_conf)
         status = "FAIL " + row["error"] if "error" in row else f"{row['tokens_per_s']:.0f} tok/s"
         print(f"[{time.strftime('%H:%M:%S')}] {case.name}: {row['case_wall_s']:.0f} s, {status}", flush=True)
         rows.append(row)
