@@ -14,10 +14,12 @@ Writes bench/results/bench_train.json (or --out).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -70,6 +72,99 @@ def profile_steps(trainer, batch: int, seq_len: int, vocab: int, steps: int, out
     Path(out_path).write_text("\n\n".join(tables))
 
 
+def build_trainer(
+    flavor: str,
+    seq_len: int,
+    batch: int,
+    ac: str = "none",
+    compile_: bool = False,
+    dump: str = "/tmp/bench_train_outputs",
+    steps: int = 10,
+    accum: int = 1,
+    optimizer: str | None = None,
+    device: str = "cuda",
+) -> Trainer:
+    """Our real Trainer (build_model + parallelize + optimizers + loss) for `flavor` on random data, as a training
+    run builds it: bf16 FSDP2 mixed precision on CUDA (a 1-rank process group), fp32 on CPU. `accum` micro-batches
+    of `batch` x `seq_len` tokens make one optimizer step; `optimizer` None keeps the config's default (Muon)."""
+    on_cuda = device == "cuda"
+    precision = "bfloat16" if on_cuda else "float32"
+    overrides = [
+        "--job.config_file", str(PACKAGE_DIR / "motif" / "train_configs" / "debug_cpu.toml"),
+        f"--job.dump_folder={dump}", f"--job.run_name=bench_{flavor}_{ac}", f"--model.flavor={flavor}",
+        f"--training.device={device}", f"--training.mixed_precision_param={precision}",
+        "--training.mixed_precision_reduce=float32", f"--training.seq_len={seq_len}",
+        f"--training.local_batch_size={batch}", f"--training.global_batch_size={batch * accum}",
+        f"--training.steps={steps}", "--checkpoint.enable=false",
+        f"--activation_checkpoint.mode={ac}", f"--compile.enable={'true' if compile_ else 'false'}",
+        "--metrics.save_jsonl=false", "--lr_scheduler.warmup_steps=1",
+    ]  # fmt: skip
+    if optimizer is not None:
+        overrides.append(f"--optimizer.name={optimizer}")
+    cfg = ConfigManager().parse_args(overrides)
+    dims = ParallelDims(1, -1, 1, 1, 1)
+    torch_device, _ = setup_distributed(cfg.training.device, dims)  # a 1-rank group (FSDP2), kept for the run
+    return Trainer(cfg, dims, torch_device)
+
+
+def train_step_on_random_data(trainer: Trainer, accum: int, batch: int, seq_len: int, vocab: int, gen, i: int):
+    """Step `i` of the benchmark: one optimizer step of `trainer` over `accum` fresh random micro-batches."""
+    trainer.train_state.step = i + 1
+    return trainer.train_step([random_batch(batch, seq_len, vocab, gen) for _ in range(accum)])
+
+
+def check_first_loss(name: str, ce_loss: float, vocab: int) -> None:
+    """An untrained model predicts ~uniformly: CE ~ ln(V) + var(logit)/2, with logit std 0.02 * sqrt(H) at init
+    (<= 1.3 for H = 4096), so within 1.5 of ln(V). Raises RuntimeError otherwise."""
+    if not (math.isfinite(ce_loss) and abs(ce_loss - math.log(vocab)) < 1.5):
+        raise RuntimeError(f"{name}: first-step CE {ce_loss:.3f} is not ~ln(V) = {math.log(vocab):.3f}")
+
+
+def time_steps(step_fn, make_step_input, steps: int, warmup: int, device: torch.device) -> dict:
+    """Run `warmup + steps` calls of `step_fn(make_step_input(i))` and time each one (CUDA events on a GPU, wall
+    clock on the CPU). Returns the first call's wall seconds (compilation included: the first-step time),
+    the timed steps' seconds (after warm-up), and the first call's result."""
+    on_cuda = device.type == "cuda"
+    times_s, first_step_s, first = [], None, None
+    for i in range(steps + warmup):
+        step_input = make_step_input(i)
+        wall = time.perf_counter()
+        if on_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        result = step_fn(step_input)
+        if on_cuda:
+            end.record()
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - wall
+        if i == 0:
+            first_step_s, first = wall, result
+        if i >= warmup:
+            times_s.append(start.elapsed_time(end) / 1e3 if on_cuda else wall)
+    return {"times_s": times_s, "first_step_s": first_step_s, "first": first}
+
+
+def throughput(tokens_per_step: int, step_s: float, flops_per_token: dict[str, float], peak: float | None) -> dict:
+    """tokens/s, and per FLOP convention TFLOP/s and MFU (None without a known peak) of a step of `step_s`."""
+    row = {"step_ms_median": step_s * 1e3, "tokens_per_s": tokens_per_step / step_s}
+    for conv, fpt in flops_per_token.items():
+        tflops = row["tokens_per_s"] * fpt / 1e12
+        row[f"gflop_per_token_{conv}"] = fpt / 1e9
+        row[f"tflops_{conv}"] = tflops
+        row[f"mfu_{conv}"] = tflops * 1e12 / peak if peak else None
+    return row
+
+
+def peak_memory_gib(device: torch.device) -> dict:
+    """Peak allocated and reserved memory of the CUDA caching allocator since the last reset (None on CPU)."""
+    if device.type != "cuda":
+        return {"peak_alloc_gib": None, "peak_reserved_gib": None}
+    return {
+        "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+    }
+
+
 def run_case(
     flavor: str,
     seq_len: int,
@@ -82,55 +177,25 @@ def run_case(
     profile: int = 0,
     profile_out: str = "",
 ) -> dict:
-    cfg = ConfigManager().parse_args([
-        "--job.config_file", str(PACKAGE_DIR / "motif" / "train_configs" / "debug_cpu.toml"),
-        f"--job.dump_folder={dump}", f"--job.run_name=bench_{flavor}_{ac}", f"--model.flavor={flavor}",
-        "--training.device=cuda", "--training.mixed_precision_param=bfloat16", f"--training.seq_len={seq_len}",
-        f"--training.local_batch_size={batch}", f"--training.steps={steps + warmup}", "--checkpoint.enable=false",
-        f"--activation_checkpoint.mode={ac}", f"--compile.enable={'true' if compile_ else 'false'}",
-        "--metrics.save_jsonl=false", "--lr_scheduler.warmup_steps=1",
-    ])  # fmt: skip
     args = get_flavor(flavor)
-    dims = ParallelDims(1, -1, 1, 1, 1)
-    device, _ = setup_distributed(cfg.training.device, dims)  # a 1-rank nccl group (FSDP2), kept for the run
-    trainer = Trainer(cfg, dims, device)
+    trainer = build_trainer(flavor, seq_len, batch, ac, compile_, dump, steps + warmup)
     gen = torch.Generator().manual_seed(0)
     torch.cuda.reset_peak_memory_stats()
-    times_ms, first = [], None
-    for i in range(steps + warmup):
-        mb = random_batch(batch, seq_len, args.vocab_size, gen)
-        trainer.train_state.step = i + 1
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        rec = trainer.train_step([mb])
-        end.record()
-        torch.cuda.synchronize()
-        if i == 0:
-            first = rec
-            # reference: an untrained model predicts ~uniformly: CE ~ ln(V) + var(logit)/2, with logit std
-            # 0.02 * sqrt(H) at init (<= 1.3 for H = 4096), so within 1.5 of ln(V)
-            if not (math.isfinite(rec.ce_loss) and abs(rec.ce_loss - math.log(args.vocab_size)) < 1.5):
-                raise RuntimeError(
-                    f"{flavor}: first-step CE {rec.ce_loss:.3f} is not ~ln(V) = {math.log(args.vocab_size):.3f}"
-                )
-        if i >= warmup:
-            times_ms.append(start.elapsed_time(end))
+
+    step = functools.partial(train_step_on_random_data, trainer, 1, batch, seq_len, args.vocab_size, gen)
+    timed = time_steps(step, lambda i: i, steps, warmup, torch.device("cuda"))
+    check_first_loss(flavor, timed["first"].ce_loss, args.vocab_size)
     if profile:
         profile_steps(trainer, batch, seq_len, args.vocab_size, profile, profile_out)
-    del trainer
-    med_s = statistics.median(times_ms) / 1e3
-    tokens = batch * seq_len
+    del step, trainer
     peak = peak_bf16_flops(torch.device("cuda"))
     row = {
         "flavor": flavor, "seq_len": seq_len, "batch": batch, "ac": ac, "compile": compile_,
-        "step_ms_median": med_s * 1e3, "tokens_per_s": tokens / med_s,
-        "first_ce": first.ce_loss, "ln_vocab": math.log(args.vocab_size),
+        "first_ce": timed["first"].ce_loss, "ln_vocab": math.log(args.vocab_size),
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "peak_bf16_tflops": peak / 1e12 if peak else None,
     }  # fmt: skip
-    for conv in ("megatron", "torchtitan"):
-        tflops = tokens / med_s * training_flops_per_token(args, seq_len, conv) / 1e12
-        row[f"tflops_{conv}"] = tflops
-        row[f"mfu_{conv}"] = tflops * 1e12 / peak if peak else None
+    flops = {conv: training_flops_per_token(args, seq_len, conv) for conv in ("megatron", "torchtitan")}
+    row.update(throughput(batch * seq_len, statistics.median(timed["times_s"]), flops, peak))
     return row
 
 
@@ -166,7 +231,7 @@ def main(argv=None) -> int:
         if "error" in r:
             print(f"{r['flavor']:<14}{r['seq_len']:>6}{r['batch']:>4}{r['ac']:>10}  {r['error']}")
             continue
-        mfu = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+        mfu = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"
         print(f"{r['flavor']:<14}{r['seq_len']:>6}{r['batch']:>4}{r['ac']:>10}{r['step_ms_median']:>10.1f}"
               f"{r['tokens_per_s']:>10.0f}{r['tflops_megatron']:>9.1f}{mfu(r['mfu_megatron']):>8}"
               f"{r['tflops_torchtitan']:>9.1f}{mfu(r['mfu_torchtitan']):>8}{r['peak_mem_gib']:>9.1f}")  # fmt: skip

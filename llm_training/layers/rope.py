@@ -57,6 +57,12 @@ class RotaryEmbedding:
         self.min_table_len = int(min_table_len)
         self._tables: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def prepare(self, device: torch.device, length: int) -> None:
+        """Build the table for `length` positions on `device` now (eagerly). The model calls this before its
+        blocks run: a table first built inside a compiled block would make that block's graph differ from the
+        next identical block's (the cache lookup is traced), costing a recompile per table."""
+        self._table(device, length)
+
     def _table(self, device: torch.device, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = max(self.min_table_len, length)
         n = 1 << (n - 1).bit_length()  # round up to a power of two: few distinct tables

@@ -66,6 +66,9 @@ MODEL_FLAVORS: dict[str, Motif3ModelArgs] = {
         mhc_sinkhorn_iters=20,
     ),
 }
+# Without the MTP module: the like-for-like peers of torchtitan's DeepSeek-V3 in bench/bench_vs_torchtitan.py.
+MODEL_FLAVORS["motif3_proxy_nomtp"] = MODEL_FLAVORS["motif3_proxy"].replace(num_nextn_predict_layers=0)
+MODEL_FLAVORS["motif3_debug_nomtp"] = MODEL_FLAVORS["motif3_debug"].replace(num_nextn_predict_layers=0)
 
 
 # motif3_small at 256K context (YaRN from 4K, as motif3_seq_256k_mtp1_sft): the one-GPU long-context benchmark

@@ -301,12 +301,15 @@ def attention_keys_per_query(sliding: bool, seq_len: int, a: Motif3ModelArgs, ca
 
 
 def training_flops_per_token(a: Motif3ModelArgs, seq_len: int, convention: str = "megatron") -> float:
-    """Training FLOPs per token (forward + backward = 3 x forward).
+    """Training FLOPs per token (forward + backward = 3 x forward); docs/flops.md states both formulas.
 
-    convention "megatron": 6 x active matmul params (embedding lookup excluded, MTP included) plus
-      attention with causal halving and the true sliding-window width.
+    convention "megatron" (ours: the work the step really does): 6 x active matmul params (embedding lookup
+      excluded) + 6 x H x V per MTP module for its output head (the head weight is shared, so it is not in
+      `pc.mtp`, but each MTP module runs one more full-vocabulary GEMM), plus attention with causal halving
+      and the true sliding-window width on every block, MTP blocks (sliding) included.
     convention "torchtitan": 6 x active params (embedding excluded, MTP excluded) plus full (unmasked)
-      attention on every layer: 6 * n_heads * (d_qk + d_v) * seq_len per layer.
+      attention on every trunk layer: 6 * n_heads * (d_qk + d_v) * seq_len per layer
+      (torchtitan.models.utils.get_moe_model_nparams_and_flops).
     """
     if convention not in ("megatron", "torchtitan"):
         raise ValueError(f"unknown FLOP convention {convention!r}; use 'megatron' or 'torchtitan'")
@@ -315,7 +318,7 @@ def training_flops_per_token(a: Motif3ModelArgs, seq_len: int, convention: str =
     halved = convention == "megatron"
     layer_is_sliding = [is_sliding_layer(i, a) for i in range(a.num_hidden_layers)]
     if convention == "megatron":
-        matmul_params += pc.mtp
+        matmul_params += pc.mtp + a.num_nextn_predict_layers * a.hidden_size * a.vocab_size
         layer_is_sliding += [True] * a.num_nextn_predict_layers  # MTP blocks are sliding-window
     per_key = 6 * a.num_attention_heads * (a.head_dim + a.v_head_dim)
     attn = sum(per_key * attention_keys_per_query(s, seq_len, a, halved) for s in layer_is_sliding)

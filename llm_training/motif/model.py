@@ -126,6 +126,7 @@ class Motif3Model(nn.Module):
         self.args = args
         H = args.hidden_size
         rope_full, rope_sliding = build_rotary_embeddings(args)
+        self._ropes = (rope_full, rope_sliding)  # shared by the blocks; tables built in forward, before them
         self.embed_tokens = nn.Embedding(args.vocab_size, H)
         self.layers = nn.ModuleList(
             TransformerBlock(args, i, rope_full, rope_sliding, attention_backend) for i in range(args.num_hidden_layers)
@@ -199,6 +200,8 @@ class Motif3Model(nn.Module):
         metadata = build_attention_metadata(
             self.attention_backend, attention_docs, self.attention_windows, B, attention_len, input_ids.device
         )
+        for rope in self._ropes:
+            rope.prepare(input_ids.device, S)
         embedded = self.embed_tokens(input_ids)
         x = embedded
         if self.args.mhc_enabled:  # copy the embedding into n streams: [B, S, n, H]

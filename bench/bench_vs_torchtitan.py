@@ -1,0 +1,510 @@
+"""Our training step vs torchtitan 0.2.2's DeepSeek-V3 at the matched shape, on one device, in one invocation.
+
+Every case runs in a fresh subprocess (no memory, compile cache or process group leaks from one case into the
+next) under a per-case timeout; a case that crashes, runs out of memory or times out becomes a FAIL row.
+
+Systems (bench/README.md has the column definitions and how to install torchtitan):
+  ours          the real Trainer step of `motif3_proxy` (Muon + AdamW, MTP on, mHC, GDLA; bench_train.build_trainer)
+  ours_nomtp    the same without the MTP module (`motif3_proxy_nomtp`), AdamW everywhere by default: the
+                like-for-like peer (`--nomtp-optimizers muon,adamw` runs both)
+  torchtitan    torchtitan's DeepSeekV3Model with the same shape (matched_torchtitan_args), built and stepped
+                by torchtitan's own TrainSpec functions (parallelize_deepseekv3 incl. its compile, its AdamW
+                optimizer container with the MoE load-balancing hook, its LR scheduler and CE loss) and its
+                Trainer.train_step code, on one device (AMP bf16, fp32 parameters, as torchtitan runs there)
+
+Groups (same tokens per optimizer step within a group; select with --cases, comma-separated):
+  eager     2 x seq_len tokens per step, no compile
+  compiled  4 x seq_len tokens per step, torch.compile (ours: [compile] model+loss; torchtitan: model+loss)
+  accum     4 micro-batches of 4 x seq_len per optimizer step (64K tokens at seq 4096), compiled
+A case name (ours@compiled, torchtitan@accum, ...) selects one case. `--size tiny` runs every case at the tiny
+CPU shape (motif3_debug and its matched DeepSeek-V3) for a smoke test.
+
+    python bench/bench_vs_torchtitan.py                         # all groups at the proxy shape (GPU)
+    python bench/bench_vs_torchtitan.py --cases compiled,accum  # a subset
+    python bench/bench_vs_torchtitan.py --size tiny --cases eager --steps 2 --warmup 1   # CPU smoke test
+Writes bench/results/bench_vs_torchtitan.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+if str(BENCH_DIR) not in sys.path:  # run as a script, bench/ is on sys.path already; imported by a test, not
+    sys.path.insert(0, str(BENCH_DIR))
+
+GROUPS = ("eager", "compiled", "accum")
+SYSTEMS = ("ours", "ours_nomtp", "torchtitan")
+
+
+@dataclass(frozen=True)
+class Size:
+    """A benchmark shape: our flavors (with and without MTP) and the sequence length; torchtitan's model is
+    derived from the MTP-less flavor by `matched_torchtitan_args`."""
+
+    flavor: str
+    flavor_nomtp: str
+    seq_len: int
+    device: str  # "cuda", or "auto" (the GPU when one is visible, else the CPU)
+    group_batch: dict  # group -> (local batch, micro-batches per optimizer step)
+
+
+SIZES = {
+    "proxy": Size(
+        "motif3_proxy", "motif3_proxy_nomtp", 4096, "cuda", {"eager": (2, 1), "compiled": (4, 1), "accum": (4, 4)}
+    ),
+    "tiny": Size(
+        "motif3_debug", "motif3_debug_nomtp", 64, "auto", {"eager": (2, 1), "compiled": (2, 1), "accum": (2, 2)}
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration, run in its own subprocess."""
+
+    system: str  # one of SYSTEMS
+    group: str  # one of GROUPS
+    size: str  # a key of SIZES
+    optimizer: str  # "muon" | "adamw" (torchtitan: always its AdamW)
+    steps: int
+    warmup: int
+
+    @property
+    def name(self) -> str:
+        opt = f"+{self.optimizer}" if self.system == "ours_nomtp" else ""
+        return f"{self.system}{opt}@{self.group}"
+
+    @property
+    def shape(self) -> Size:
+        return SIZES[self.size]
+
+    @property
+    def batch(self) -> int:
+        return self.shape.group_batch[self.group][0]
+
+    @property
+    def accum(self) -> int:
+        return self.shape.group_batch[self.group][1]
+
+    @property
+    def compiled(self) -> bool:
+        return self.group != "eager"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.accum * self.shape.seq_len
+
+
+def build_cases(selection: str, size: str, steps: int, warmup: int, nomtp_optimizers: list[str]) -> list[Case]:
+    """The cases named by `selection`: comma-separated groups ("eager", "compiled", "accum", "all") and/or case
+    names as printed (e.g. "ours@compiled", "ours_nomtp+adamw@accum", "torchtitan@eager"). Order: group, then
+    ours, ours_nomtp (per optimizer), torchtitan. The accum group runs half the timed steps (each is 4x longer)."""
+    every = []
+    for group in GROUPS:
+        n_steps = max(1, steps // 2) if group == "accum" else steps
+        every.append(Case("ours", group, size, "muon", n_steps, warmup))
+        every += [Case("ours_nomtp", group, size, opt, n_steps, warmup) for opt in nomtp_optimizers]
+        every.append(Case("torchtitan", group, size, "adamw", n_steps, warmup))
+    chosen = []
+    for token in [t.strip() for t in selection.split(",") if t.strip()]:
+        if token == "all":
+            picked = every
+        elif token in GROUPS:
+            picked = [c for c in every if c.group == token]
+        else:
+            picked = [c for c in every if c.name == token]
+            if not picked:
+                names = ", ".join(c.name for c in every)
+                raise SystemExit(f"--cases: unknown case or group {token!r}; groups: all, {', '.join(GROUPS)}; "
+                                 f"cases: {names}")  # fmt: skip
+        chosen += [c for c in picked if c not in chosen]
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------- FLOP counts
+def torchtitan_flops_per_token(titan_flops: float, n_layers: int, n_heads: int, head_dims: int, seq_len: int) -> dict:
+    """Training FLOPs per token of torchtitan's DeepSeek-V3 in both conventions (docs/flops.md), from its own count
+    `titan_flops` (models/utils.get_moe_model_nparams_and_flops: 6 x active non-embedding params + 6 x n_layers x
+    n_heads x (d_qk + d_v) x seq_len, i.e. unmasked attention).
+
+    "torchtitan": that count. "megatron": the work its step really does: the same matmuls and causal attention
+    (half the keys); it has no MTP and no sliding window."""
+    attention_unmasked = 6.0 * n_layers * n_heads * head_dims * seq_len
+    return {"megatron": titan_flops - attention_unmasked / 2, "torchtitan": float(titan_flops)}
+
+
+def our_flops_per_token(flavor: str, seq_len: int) -> dict[str, float]:
+    from llm_training.motif import get_flavor, training_flops_per_token
+
+    args = get_flavor(flavor)
+    return {conv: training_flops_per_token(args, seq_len, conv) for conv in ("megatron", "torchtitan")}
+
+
+# ---------------------------------------------------------------------------------------------- torchtitan side
+def matched_torchtitan_args(flavor: str, seq_len: int):
+    """torchtitan's DeepSeekV3ModelArgs with our flavor's shape: dim, layers (dense first), MLA heads and ranks,
+    head dims, experts (sigmoid top-k, route norm/scale, shared experts), vocabulary. What it does not have:
+    GDLA's noise heads / output gate / lambda, sliding windows, mHC, PolyNorm (SwiGLU instead), MTP; its
+    attention is causal SDPA over the whole row (no document mask)."""
+    from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
+    from torchtitan.models.moe import MoEArgs
+
+    from llm_training.motif import get_flavor
+
+    a = get_flavor(flavor)
+    return DeepSeekV3ModelArgs(
+        vocab_size=a.vocab_size,
+        dim=a.hidden_size,
+        inter_dim=a.intermediate_size,
+        moe_inter_dim=a.moe_intermediate_size,
+        n_layers=a.num_hidden_layers,
+        n_dense_layers=a.n_dense_first_layers,
+        n_heads=a.num_attention_heads,
+        norm_eps=a.rms_norm_eps,
+        moe_args=MoEArgs(
+            num_experts=a.num_experts,
+            num_shared_experts=a.num_shared_experts,
+            score_func=a.score_func,
+            route_norm=a.route_norm,
+            route_scale=a.route_scale,
+            score_before_experts=a.score_before_experts,
+            top_k=a.experts_top_k,
+            load_balance_coeff=a.load_balance_coeff,
+        ),
+        q_lora_rank=a.q_lora_rank,
+        kv_lora_rank=a.kv_lora_rank,
+        qk_nope_head_dim=a.qk_nope_head_dim,
+        qk_rope_head_dim=a.qk_rope_head_dim,
+        v_head_dim=a.v_head_dim,
+        attn_type="sdpa",
+        attn_mask_type="causal",
+        max_seq_len=seq_len,
+        original_seq_len=a.original_seq_len,
+        rope_theta=a.rope_theta,
+    )
+
+
+def torchtitan_job_config(case: Case, lr: float = 2e-3):
+    """torchtitan's JobConfig for `case`: its defaults (AdamW fused, bf16 AMP on one device, compile of model and
+    loss when compiled), no activation checkpointing, no checkpoints, `case.accum` micro-batches per step."""
+    from torchtitan.config import JobConfig
+
+    jc = JobConfig()
+    jc.model.name = "deepseek_v3"
+    jc.training.seq_len = case.shape.seq_len
+    jc.training.local_batch_size = case.batch
+    jc.training.global_batch_size = case.batch * case.accum
+    jc.training.steps = case.steps + case.warmup
+    jc.training.mixed_precision_param = "bfloat16"
+    jc.optimizer.lr = lr
+    jc.lr_scheduler.warmup_steps = 1
+    jc.activation_checkpoint.mode = "none"
+    jc.compile.enable = case.compiled
+    jc.compile.components = ["model", "loss"]
+    jc.checkpoint.enable = False
+    jc.metrics.log_freq = 1
+    return jc
+
+
+class _StepLog:
+    """Stands in for torchtitan's MetricsProcessor inside Trainer.train_step: logs every step, keeps the loss."""
+
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def should_log(self, step: int) -> bool:
+        return True
+
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None) -> None:
+        self.losses.append(float(global_avg_loss))
+
+
+def build_torchtitan_trainer(case: Case, device):
+    """torchtitan's single-device training state for `case`, built the way its Trainer.__init__ builds it for
+    one rank without pipeline parallelism (meta init -> parallelize_fn -> to_empty -> init_weights ->
+    build_optimizers_fn -> build_lr_schedulers_fn; build_loss_fn; maybe_enable_amp), as a namespace that
+    torchtitan's own `Trainer.train_step` / `forward_backward_step` run on. Its Trainer itself is not
+    constructed: __init__ also builds a tokenizer and an HF dataloader (network), and picks the device from
+    torch's available accelerator (cuda), so it cannot run on a CPU."""
+    import contextlib
+    import functools
+    import types
+
+    import torch
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.protocols.train_spec import get_train_spec
+    from torchtitan.train import Trainer as TitanTrainer
+
+    _one_rank_process_group(device)  # torchtitan's train_step asks ParallelDims for its (1-rank) meshes
+    jc = torchtitan_job_config(case)
+    spec = get_train_spec("deepseek_v3")
+    model_args = matched_torchtitan_args(case.shape.flavor_nomtp, case.shape.seq_len)
+    if device.type == "cpu":
+        # torchtitan's router counts tokens per expert with torch.histc on int64 indices, which has no CPU kernel
+        # (torch 2.13): on the CPU (the tiny smoke-test shape) every torchtitan layer is dense.
+        model_args.n_dense_layers = model_args.n_layers
+    model_args.update_from_config(jc)
+    parallel_dims = ParallelDims(dp_shard=-1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    nparams, tt_flops = model_args.get_nparams_and_flops(model, jc.training.seq_len)
+    model = spec.parallelize_fn(model, parallel_dims, jc)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    optimizers = spec.build_optimizers_fn([model], jc.optimizer, parallel_dims)
+    lr_schedulers = spec.build_lr_schedulers_fn(optimizers, jc.lr_scheduler, jc.training.steps)
+    amp = (
+        dist_utils.maybe_enable_amp(parallel_dims, jc.training.mixed_precision_param, device.type)
+        if device.type == "cuda"
+        else contextlib.nullcontext()  # fp32 on the CPU, as our side runs there
+    )
+    ns = types.SimpleNamespace(
+        job_config=jc, parallel_dims=parallel_dims, device=device, model_parts=[model], model_args=model_args,
+        optimizers=optimizers, lr_schedulers=lr_schedulers, loss_fn=spec.build_loss_fn(jc, parallel_dims=parallel_dims),
+        gradient_accumulation_steps=case.accum, train_context=dist_utils.get_train_context(False),
+        maybe_enable_amp=amp, tokenizer=None, step=0, ntokens_seen=0, metrics_processor=_StepLog(),
+        checkpointer=types.SimpleNamespace(maybe_wait_for_staging=lambda: None),
+    )  # fmt: skip
+    for method in ("post_dataloading_process", "forward_backward_step", "train_step"):
+        setattr(ns, method, functools.partial(getattr(TitanTrainer, method), ns))
+    head_dims = model_args.qk_nope_head_dim + model_args.qk_rope_head_dim + model_args.v_head_dim
+    flops = torchtitan_flops_per_token(
+        tt_flops, model_args.n_layers, model_args.n_heads, head_dims, jc.training.seq_len
+    )
+    return ns, flops, nparams
+
+
+def _one_rank_process_group(device) -> None:
+    """The 1-rank process group torchtitan's Trainer.init_distributed would create (nccl on a GPU, gloo on the
+    CPU). On the CPU, torchtitan's ParallelDims builds its meshes for `torchtitan.tools.utils.device_type`, which
+    is "cuda" whenever no accelerator is found; it is pointed at "cpu" here (this subprocess only)."""
+    import torch.distributed as dist
+
+    if device.type == "cpu":
+        import torchtitan.distributed.parallel_dims as titan_parallel_dims
+
+        titan_parallel_dims.device_type = "cpu"
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+# ---------------------------------------------------------------------------------------------- worker
+def run_worker(case: Case) -> dict:
+    """Measure `case` in this process; returns its row."""
+    import torch
+    from bench_train import (
+        build_trainer,
+        check_first_loss,
+        peak_memory_gib,
+        random_batch,
+        throughput,
+        time_steps,
+        train_step_on_random_data,
+    )
+
+    from llm_training.distributed.compile import compile_stats, reset_compile_stats
+    from llm_training.motif import get_flavor
+    from llm_training.trainer.metrics import peak_bf16_flops
+
+    if case.shape.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"size {case.size!r} needs a CUDA GPU")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    seq = case.shape.seq_len
+    reset_compile_stats()
+    t_build = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    if case.system == "torchtitan":
+        titan, flops, nparams = build_torchtitan_trainer(case, device)
+        vocab = titan.model_args.vocab_size
+
+        def step(i: int):
+            def micro_batches():
+                for _ in range(case.accum):
+                    b = random_batch(case.batch, seq, vocab, gen)
+                    yield {"input": b["input_ids"]}, b["labels"]
+
+            titan.step = i + 1
+            titan.train_step(micro_batches())
+            return titan.metrics_processor.losses[-1]
+
+        first_ce = lambda r: r
+    else:
+        flavor = case.shape.flavor if case.system == "ours" else case.shape.flavor_nomtp
+        vocab = get_flavor(flavor).vocab_size
+        trainer = build_trainer(flavor, seq, case.batch, "none", case.compiled, tempfile.mkdtemp(prefix="bench_vs_tt_"),
+                                case.steps + case.warmup, case.accum, case.optimizer, device.type)  # fmt: skip
+        nparams = sum(p.numel() for p in trainer.model.parameters())
+        flops = our_flops_per_token(flavor, seq)
+
+        def step(i: int):
+            return train_step_on_random_data(trainer, case.accum, case.batch, seq, vocab, gen, i)
+
+        first_ce = lambda r: r.ce_loss
+    build_s = time.perf_counter() - t_build
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    timed = time_steps(step, lambda i: i, case.steps, case.warmup, device)
+    check_first_loss(case.name, first_ce(timed["first"]), vocab)
+    peak = peak_bf16_flops(device)
+    row = {
+        "case": case.name, **dataclasses.asdict(case), "batch": case.batch, "accum": case.accum,
+        "seq_len": seq, "tokens_per_step": case.tokens_per_step, "params": nparams, "build_s": build_s,
+        "first_step_s": timed["first_step_s"], "first_ce": first_ce(timed["first"]), "ln_vocab": math.log(vocab),
+        "step_times_ms": [t * 1e3 for t in timed["times_s"]], "peak_bf16_tflops": peak / 1e12 if peak else None,
+        **peak_memory_gib(device), **compile_stats(),
+    }  # fmt: skip
+    row.update(throughput(case.tokens_per_step, statistics.median(timed["times_s"]), flops, peak))
+    return row
+
+
+# ---------------------------------------------------------------------------------------------- driver
+def run_case_subprocess(case: Case, timeout_s: float, log_dir: Path, alloc_conf: str = "") -> dict:
+    """Run `case` in a fresh interpreter (its own process group, killed whole on timeout); the row, or a FAIL row
+    with the reason (timeout, exit status and the last line of its stderr, e.g. CUDA out of memory).
+    `alloc_conf`: PYTORCH_CUDA_ALLOC_CONF of the case (the same for every system)."""
+    result = log_dir / f"{case.name.replace('@', '_').replace('+', '_')}.json"
+    log = result.with_suffix(".log")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(dataclasses.asdict(case)),
+           "--result", str(result)]  # fmt: skip
+    # a fresh inductor / triton cache per case: the first-step time is a cold compile, whatever ran before
+    cache = log_dir / f"cache_{result.stem}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+           "TRITON_CACHE_DIR": str(cache / "triton")}  # fmt: skip
+    if alloc_conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    start = time.perf_counter()
+    with open(log, "w") as log_f:
+        proc = subprocess.Popen(cmd, stdout=log_f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+            reason = None if rc == 0 else f"exit {rc}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc, reason = None, f"timeout after {timeout_s:.0f} s"
+    wall = time.perf_counter() - start
+    if reason is None and result.exists():
+        row = json.loads(result.read_text())
+    else:
+        tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:] or ["(no output)"]
+        row = {"case": case.name, **dataclasses.asdict(case), "error": f"{reason or 'no result'}: {tail[0][-300:]}",
+               "log": str(log)}  # fmt: skip
+    row["case_wall_s"] = wall
+    return row
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per group: each of our rows against the torchtitan row of the same group (same tokens per step):
+    tokens/s ratio and MFU ratio, each system counted in its own real-work convention ("megatron") and in
+    torchtitan's."""
+    out = []
+    for r in rows:
+        if r["system"] == "torchtitan" or "error" in r:
+            continue
+        peer = next(
+            (t for t in rows if t["system"] == "torchtitan" and t["group"] == r["group"] and "error" not in t), None
+        )
+        if peer is None:
+            continue
+        out.append({
+            "case": r["case"], "vs": peer["case"],
+            "tokens_per_s": r["tokens_per_s"] / peer["tokens_per_s"],
+            "tflops_megatron": r["tflops_megatron"] / peer["tflops_megatron"],
+            "tflops_torchtitan": r["tflops_torchtitan"] / peer["tflops_torchtitan"],
+        })  # fmt: skip
+    return out
+
+
+def _pct(v) -> str:
+    return "n/a" if v is None else f"{100 * v:.1f}%"
+
+
+def _num(v, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
+    """The printed table: one line per case (FAIL lines give the reason), then the ours/torchtitan ratios."""
+    head = (f"{'case':<26}{'tok/step':>9}{'ms/step':>9}{'tok/s':>9}{'TF/s ours':>10}{'MFU ours':>9}"
+            f"{'TF/s tt':>8}{'MFU tt':>8}{'resv GiB':>9}{'1st s':>7}{'graphs':>7}{'recomp':>7}{'case s':>7}")  # fmt: skip
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['case']:<26}FAIL {r['error']}")
+            continue
+        lines.append(
+            f"{r['case']:<26}{r['tokens_per_step']:>9}{r['step_ms_median']:>9.1f}{r['tokens_per_s']:>9.0f}"
+            f"{r['tflops_megatron']:>10.1f}{_pct(r['mfu_megatron']):>9}{r['tflops_torchtitan']:>8.1f}"
+            f"{_pct(r['mfu_torchtitan']):>8}{_num(r['peak_reserved_gib'], '.1f'):>9}{r['first_step_s']:>7.1f}"
+            f"{r['unique_graphs']:>7}{r['recompiles']:>7}{r['case_wall_s']:>7.0f}"
+        )
+    if ratio_rows:
+        lines.append("ours / torchtitan (same group = same tokens per step):")
+        lines.append(f"{'case':<26}{'vs':<22}{'tok/s':>8}{'TF/s ours-conv':>16}{'TF/s tt-conv':>14}")
+        for q in ratio_rows:
+            lines.append(f"{q['case']:<26}{q['vs']:<22}{q['tokens_per_s']:>8.3f}{q['tflops_megatron']:>16.3f}"
+                         f"{q['tflops_torchtitan']:>14.3f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", default="all", help="comma-separated groups (all, eager, compiled, accum) or case names")
+    p.add_argument("--size", default="proxy", choices=tuple(SIZES))
+    p.add_argument("--steps", type=int, default=6, help="timed steps per case (accum: half)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per case (the first is the compile step)")
+    p.add_argument("--timeout", type=float, default=480.0, help="seconds per case before it is killed (FAIL row)")
+    p.add_argument("--nomtp-optimizers", default="adamw", help="optimizers of the ours_nomtp rows: adamw, muon or both")
+    p.add_argument(
+        "--alloc-conf",
+        default="expandable_segments:True",
+        help="PYTORCH_CUDA_ALLOC_CONF of every case (default: what torchtitan's run_train.sh sets)",
+    )
+    p.add_argument("--out", default=str(BENCH_DIR / "results" / "bench_vs_torchtitan.json"))
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one case's JSON, run in this process
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        row = run_worker(Case(**json.loads(a.worker)))
+        Path(a.result).write_text(json.dumps(row, indent=2))
+        return 0
+    optimizers = [o.strip() for o in a.nomtp_optimizers.replace("both", "adamw,muon").split(",") if o.strip()]
+    cases = build_cases(a.cases, a.size, a.steps, a.warmup, optimizers)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_vs_torchtitan_"))
+    rows = []
+    for case in cases:
+        row = run_case_subprocess(case, a.timeout, log_dir, a.alloc_conf)
+        status = "FAIL " + row["error"] if "error" in row else f"{row['tokens_per_s']:.0f} tok/s"
+        print(f"[{time.strftime('%H:%M:%S')}] {case.name}: {row['case_wall_s']:.0f} s, {status}", flush=True)
+        rows.append(row)
+    ratio_rows = ratios(rows)
+    print(format_table(rows, ratio_rows))
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"size": a.size, "rows": rows, "ratios": ratio_rows}, indent=2))
+    print(f"wrote {a.out} (per-case logs in {log_dir})")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

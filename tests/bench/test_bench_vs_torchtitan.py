@@ -1,0 +1,100 @@
+"""bench/bench_vs_torchtitan.py: case selection, the ratio and table logic, FAIL rows (crash, timeout), and one
+end-to-end run of ours and torchtitan's DeepSeek-V3 at the tiny CPU shape."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "bench_vs_torchtitan.py"
+_spec = importlib.util.spec_from_file_location("bench_vs_torchtitan", _PATH)
+bvt = importlib.util.module_from_spec(_spec)
+sys.modules["bench_vs_torchtitan"] = bvt  # its dataclasses look their module up there
+_spec.loader.exec_module(bvt)
+
+HAS_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
+
+
+def test_case_selection_by_group_and_name():
+    cases = bvt.build_cases("all", "proxy", 6, 2, ["adamw"])
+    assert [c.name for c in cases[:3]] == ["ours@eager", "ours_nomtp+adamw@eager", "torchtitan@eager"]
+    assert len(cases) == 9
+    accum = [c for c in cases if c.group == "accum"]
+    # 4 micro-batches of 4 x 4096 = 64K tokens per optimizer step, half the timed steps
+    assert {(c.batch, c.accum, c.tokens_per_step, c.steps, c.compiled) for c in accum} == {(4, 4, 65536, 3, True)}
+    assert {c.tokens_per_step for c in cases if c.group == "eager"} == {8192}
+    picked = bvt.build_cases("compiled,torchtitan@eager,compiled", "proxy", 6, 2, ["adamw", "muon"])
+    assert [c.name for c in picked] == [
+        "ours@compiled", "ours_nomtp+adamw@compiled", "ours_nomtp+muon@compiled", "torchtitan@compiled",
+        "torchtitan@eager",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit, match="unknown case or group 'fast'"):
+        bvt.build_cases("fast", "proxy", 6, 2, ["adamw"])
+
+
+def _row(system, group, tok_s, tf_ours, tf_tt, **kw):
+    return {"case": f"{system}@{group}", "system": system, "group": group, "tokens_per_step": 16384,
+            "step_ms_median": 1e3 * 16384 / tok_s, "tokens_per_s": tok_s, "tflops_megatron": tf_ours,
+            "mfu_megatron": tf_ours / 989, "tflops_torchtitan": tf_tt, "mfu_torchtitan": tf_tt / 989,
+            "peak_reserved_gib": 98.0, "first_step_s": 61.0, "unique_graphs": 8, "recompiles": 3,
+            "case_wall_s": 100.0, **kw}  # fmt: skip
+
+
+def test_ratios_and_table_pair_each_of_our_rows_with_torchtitan_in_its_group():
+    rows = [
+        _row("ours", "compiled", 12000.0, 200.0, 150.0),
+        _row("torchtitan", "compiled", 30000.0, 360.0, 400.0),
+        _row("ours", "eager", 8000.0, 100.0, 90.0),
+        {"case": "torchtitan@eager", "system": "torchtitan", "group": "eager", "error": "timeout after 5 s: x"},
+    ]
+    ratio_rows = bvt.ratios(rows)
+    assert ratio_rows == [
+        {
+            "case": "ours@compiled",
+            "vs": "torchtitan@compiled",
+            "tokens_per_s": 0.4,
+            "tflops_megatron": pytest.approx(200 / 360),
+            "tflops_torchtitan": 0.375,
+        }
+    ]  # fmt: skip  (ours@eager has no peer: its torchtitan row failed)
+    table = bvt.format_table(rows, ratio_rows)
+    assert "torchtitan@eager          FAIL timeout after 5 s: x" in table
+    assert "ours / torchtitan" in table and "0.400" in table and "20.2%" in table  # 200 / 989
+
+
+def test_torchtitan_real_work_halves_the_attention():
+    flops = bvt.torchtitan_flops_per_token(1000, 2, 3, 4, 10)
+    assert flops == {"torchtitan": 1000.0, "megatron": 1000 - 6 * 2 * 3 * 4 * 10 / 2}
+
+
+def test_a_case_that_runs_too_long_is_killed_and_reported(tmp_path):
+    case = bvt.Case("ours", "eager", "tiny", "muon", 1, 1)
+    row = bvt.run_case_subprocess(case, timeout_s=0.5, log_dir=tmp_path)
+    assert row["error"].startswith("timeout after 0 s") or row["error"].startswith("timeout after 1 s")
+    assert row["case"] == "ours@eager" and row["case_wall_s"] < 30
+
+
+def test_a_case_that_crashes_is_a_fail_row_with_its_last_line(tmp_path):
+    case = bvt.Case("ours", "eager", "proxy", "muon", 1, 1)  # the proxy shape needs a GPU
+    row = bvt.run_case_subprocess(case, timeout_s=120, log_dir=tmp_path)
+    if "error" not in row:
+        pytest.skip("a GPU is visible: the proxy case ran")
+    assert row["error"].startswith("exit 1") and "CUDA" in row["error"]
+
+
+@pytest.mark.slow
+def test_tiny_end_to_end_run_writes_rows_and_ratios(tmp_path):
+    cases = "ours@eager,torchtitan@eager" if HAS_TORCHTITAN else "ours_nomtp+adamw@accum"
+    out = tmp_path / "bvt.json"
+    rc = bvt.main(["--size", "tiny", "--cases", cases, "--steps", "1", "--warmup", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert rc == 0, result
+    for row in result["rows"]:
+        assert row["tokens_per_s"] > 0 and abs(row["first_ce"] - row["ln_vocab"]) < 1.5
+        assert row["gflop_per_token_megatron"] > 0 and row["gflop_per_token_torchtitan"] > 0
+    if HAS_TORCHTITAN:
+        ours, titan = result["rows"]
+        assert ours["gflop_per_token_megatron"] > titan["gflop_per_token_megatron"]  # MTP block + head counted
+        assert [q["case"] for q in result["ratios"]] == ["ours@eager"]
