@@ -81,6 +81,7 @@ class Case:
     optimizer: str  # "muon" | "adamw" (torchtitan: always its AdamW)
     steps: int
     warmup: int
+    profile_steps: int = 0  # optimizer steps profiled after timing (CUDA): kernel time by cost group
 
     @property
     def name(self) -> str:
@@ -108,16 +109,18 @@ class Case:
         return self.batch * self.accum * self.shape.seq_len
 
 
-def build_cases(selection: str, size: str, steps: int, warmup: int, nomtp_optimizers: list[str]) -> list[Case]:
+def build_cases(
+    selection: str, size: str, steps: int, warmup: int, nomtp_optimizers: list[str], profile_steps: int = 0
+) -> list[Case]:
     """The cases named by `selection`: comma-separated groups ("eager", "compiled", "accum", "all") and/or case
     names as printed (e.g. "ours@compiled", "ours_nomtp+adamw@accum", "torchtitan@eager"). Order: group, then
     ours, ours_nomtp (per optimizer), torchtitan. The accum group runs half the timed steps (each is 4x longer)."""
     every = []
     for group in GROUPS:
         n_steps = max(1, steps // 2) if group == "accum" else steps
-        every.append(Case("ours", group, size, "muon", n_steps, warmup))
-        every += [Case("ours_nomtp", group, size, opt, n_steps, warmup) for opt in nomtp_optimizers]
-        every.append(Case("torchtitan", group, size, "adamw", n_steps, warmup))
+        every.append(Case("ours", group, size, "muon", n_steps, warmup, profile_steps))
+        every += [Case("ours_nomtp", group, size, opt, n_steps, warmup, profile_steps) for opt in nomtp_optimizers]
+        every.append(Case("torchtitan", group, size, "adamw", n_steps, warmup, profile_steps))
     chosen = []
     for token in [t.strip() for t in selection.split(",") if t.strip()]:
         if token == "all":
@@ -375,7 +378,25 @@ def run_worker(case: Case) -> dict:
         **peak_memory_gib(device), **compile_stats(),
     }  # fmt: skip
     row.update(throughput(case.tokens_per_step, statistics.median(timed["times_s"]), flops, peak))
+    if case.profile_steps and device.type == "cuda":
+        row["profile_groups"] = profile_kernel_groups(step, case.steps + case.warmup, case.profile_steps)
     return row
+
+
+def profile_kernel_groups(step, first_index: int, steps: int) -> list[dict]:
+    """`steps` more optimizer steps under torch.profiler (CUDA kernels only); their kernel time by cost group
+    (bench/kernel_groups.py: optimizer ranges, GEMM kinds, attention, copies/casts, ...), per step."""
+    import torch
+    from kernel_groups import format_groups, group_kernels
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(first_index + i)
+        torch.cuda.synchronize()
+    groups = group_kernels(prof.events())
+    print(format_groups(groups, steps), flush=True)
+    return [{"group": g, "ms_per_step": ms / steps, "share": share} for g, ms, share in groups]
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -476,6 +497,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per case (the first is the compile step)")
     p.add_argument("--timeout", type=float, default=480.0, help="seconds per case before it is killed (FAIL row)")
     p.add_argument("--nomtp-optimizers", default="adamw", help="optimizers of the ours_nomtp rows: adamw, muon or both")
+    p.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps per case (CUDA): "
+                   "kernel time by cost group (bench/kernel_groups.py), printed and in the JSON")  # fmt: skip
     p.add_argument(
         "--alloc-conf",
         default="expandable_segments:True",
@@ -490,7 +513,7 @@ def main(argv=None) -> int:
         Path(a.result).write_text(json.dumps(row, indent=2))
         return 0
     optimizers = [o.strip() for o in a.nomtp_optimizers.replace("both", "adamw,muon").split(",") if o.strip()]
-    cases = build_cases(a.cases, a.size, a.steps, a.warmup, optimizers)
+    cases = build_cases(a.cases, a.size, a.steps, a.warmup, optimizers, a.profile_steps)
     log_dir = Path(tempfile.mkdtemp(prefix="bench_vs_torchtitan_"))
     rows = []
     for case in cases:
@@ -500,6 +523,12 @@ def main(argv=None) -> int:
         rows.append(row)
     ratio_rows = ratios(rows)
     print(format_table(rows, ratio_rows))
+    for row in rows:
+        if row.get("profile_groups"):
+            print(f"\nkernel time per optimizer step by group, {row['case']}:")
+            print(f"{'group':<22}{'ms/step':>10}{'share':>8}")
+            for g in row["profile_groups"]:
+                print(f"{g['group']:<22}{g['ms_per_step']:>10.1f}{100 * g['share']:>7.1f}%")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"size": a.size, "rows": rows, "ratios": ratio_rows}, indent=2))
     print(f"wrote {a.out} (per-case logs in {log_dir})")
