@@ -59,11 +59,10 @@ def test_world_size_error_exits_2_before_distributed_init(monkeypatch, capsys):
     assert "must equal the world size 3" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name, needle", [("example_c4_pretrain.toml", "FP8 / MXFP8 are not built yet")])
-def test_examples_rejected_before_any_setup_naming_the_missing_feature(name, needle, monkeypatch, capsys):
-    """The pretrain example needs FP8 (MXFP8), which is not built: validation rejects it, exit 2, before any
-    process group, device, tokenizer or data work (any of those would raise here). (The SFT example, EP 8 x CP 8,
-    validates: tests/config/test_config_validation.py.)"""
+@pytest.mark.parametrize("name", ["example_c4_pretrain.toml", "example_c4_sft.toml"])
+def test_bad_override_of_an_example_is_rejected_before_any_setup(name, monkeypatch, capsys):
+    """A layout mistake on top of a production example (EP 5 does not divide 384 experts) exits 2 with the key and
+    the fix, before any process group, device, tokenizer or data work (any of those would raise here)."""
     import llm_training.train as entry
 
     def forbidden(*args, **kwargs):
@@ -73,9 +72,11 @@ def test_examples_rejected_before_any_setup_naming_the_missing_feature(name, nee
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(entry, "setup_distributed", forbidden)
     monkeypatch.setattr(entry, "run", forbidden)
-    assert main(["--job.config_file", str(TRAIN_CONFIGS_DIR / name)]) == 2
+    argv = ["--job.config_file", str(TRAIN_CONFIGS_DIR / name), "--parallelism.expert_parallel_degree=5"]
+    assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("config error: ") and needle in err and "Traceback" not in err
+    assert err.startswith("config error: ") and "expert_parallel_degree = 5" in err and "Traceback" not in err
+    assert "pick a divisor of 384" in err
 
 
 def test_print_config_prints_toml_and_writes_nothing(tmp_path, capsys):

@@ -30,6 +30,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from llm_training.layers.attention_masks import repeat_kv, chunked_max_logits, visibility_mask
+
 AttentionKernel = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
@@ -63,80 +65,14 @@ class AttentionMetadata:
             ) from None
 
 
-# ---------------------------------------------------------------------------------------- masks
-def visibility_mask(
-    queries: range,
-    keys: range,
-    device: torch.device,
-    *,
-    window: Optional[int],
-    document_ids_BS: Optional[torch.Tensor],
-) -> torch.Tensor:
-    """Boolean [B or 1, 1, len(queries), len(keys)] mask (True = visible) for absolute query positions
-    `queries` and key positions `keys` (both step-1 ranges)."""
-    qi = torch.arange(queries.start, queries.stop, device=device)[:, None]
-    kj = torch.arange(keys.start, keys.stop, device=device)[None, :]
-    mask = kj <= qi
-    if window is not None:
-        mask = mask & (kj >= qi - window)
-    mask = mask[None, None]
-    if document_ids_BS is not None:
-        dq = document_ids_BS[:, queries.start : queries.stop]
-        dk = document_ids_BS[:, keys.start : keys.stop]
-        mask = mask & (dq[:, None, :, None] == dk[:, None, None, :])
-    return mask
-
-
-def _repeat_kv(x_BSKD: torch.Tensor, n_rep: int) -> torch.Tensor:
-    return x_BSKD if n_rep == 1 else x_BSKD.repeat_interleave(n_rep, dim=2)
-
-
-@torch.no_grad()
-def chunked_max_logits(
-    q_BSHD: torch.Tensor,
-    k_BSKD: torch.Tensor,
-    *,
-    scale: float,
-    window: Optional[int],
-    document_ids: Optional[torch.Tensor],
-    block_elems: int = 1 << 27,
-    query_chunk: int = 1024,
-) -> torch.Tensor:
-    """Per-query-head max of the scaled logits over visible pairs, fp32 [Hq], as a side computation:
-    query chunks x key chunks of at most `block_elems` logits each (never [B, H, S, S] at once), keys
-    limited to the causal / window range of each query chunk. Matmul in the input dtype; the max of a tile
-    is taken in that dtype and scaled in fp32 after (the same value as scaling first: scale > 0 and the
-    conversion is exact); only tiles that cross the causal / window edge or hold documents are masked."""
-    B, S, Hq, _ = q_BSHD.shape
-    k_BHSD = _repeat_kv(k_BSKD, Hq // k_BSKD.shape[2]).transpose(1, 2)
-    q_BHSD = q_BSHD.transpose(1, 2)
-    best = torch.full((Hq,), float("-inf"), device=q_BSHD.device, dtype=torch.float32)
-    cq = min(S, query_chunk)
-    ck = max(cq, block_elems // max(1, B * Hq * cq))
-    for i0 in range(0, S, cq):
-        i1 = min(S, i0 + cq)
-        k_lo = 0 if window is None else max(0, i0 - window)
-        for j0 in range(k_lo, i1, ck):
-            j1 = min(i1, j0 + ck)
-            tile = q_BHSD[:, :, i0:i1] @ k_BHSD[:, :, j0:j1].transpose(-1, -2)
-            inside = j1 - 1 <= i0 and (window is None or j0 >= i1 - 1 - window)
-            if document_ids is not None or not inside:
-                mask = visibility_mask(
-                    range(i0, i1), range(j0, j1), q_BSHD.device, window=window, document_ids_BS=document_ids
-                )
-                tile = tile.masked_fill(~mask, float("-inf"))
-            best = torch.maximum(best, tile.amax(dim=(0, 2, 3)).float() * scale)
-    return best
-
-
 # ---------------------------------------------------------------------------------------- kernels
 def reference_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits):
     """Explicit-mask softmax attention in fp32 (CPU or GPU); the ground truth for the other kernels."""
     document_ids = metadata.document_ids
     Hq, Hkv = q_BSHD.shape[2], k_BSKD.shape[2]
     q = q_BSHD.float().transpose(1, 2)
-    k = _repeat_kv(k_BSKD, Hq // Hkv).float().transpose(1, 2)
-    v = _repeat_kv(v_BSKE, Hq // Hkv).float().transpose(1, 2)
+    k = repeat_kv(k_BSKD, Hq // Hkv).float().transpose(1, 2)
+    v = repeat_kv(v_BSKE, Hq // Hkv).float().transpose(1, 2)
     S = q.shape[2]
     mask = visibility_mask(range(S), range(S), q.device, window=window, document_ids_BS=document_ids)
     logits = (q @ k.transpose(-1, -2)) * scale

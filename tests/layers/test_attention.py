@@ -6,12 +6,8 @@ import pytest
 import torch
 
 from llm_training.layers.attention import GDLAttention
-from llm_training.layers.attention_backends import (
-    ATTENTION_BACKENDS,
-    build_attention_metadata,
-    chunked_max_logits,
-    get_attention_backend,
-)
+from llm_training.layers.attention_backends import ATTENTION_BACKENDS, build_attention_metadata, get_attention_backend
+from llm_training.layers.attention_masks import chunked_max_logits
 from llm_training.layers.rope import RotaryEmbedding, plain_inv_freq
 from llm_training.motif import get_flavor
 
