@@ -44,7 +44,7 @@ def _column_major(b_EKN: torch.Tensor) -> torch.Tensor:
     return b_EKN if b_EKN.stride(-2) == 1 else b_EKN.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
-def _zero_past_last_group(y_NO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+def zero_past_last_group(y_NO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """Rows past offs[-1] (the padding buffer's slack) are not written by the scaled grouped GEMMs: make them 0."""
     rows = torch.arange(y_NO.shape[0], device=y_NO.device)
     return torch.where((rows < offs_E[-1])[:, None], y_NO, torch.zeros((), dtype=y_NO.dtype, device=y_NO.device))
@@ -108,7 +108,7 @@ def _cuda_grouped_mm(
             scale_calculation_mode=ScaleCalculationMode.RCEIL,
             pad_token_groups_for_grouped_mm=False,
         )
-        return _zero_past_last_group(y, offs_E)
+        return zero_past_last_group(y, offs_E)
     if hp_weight_grad:
         op = functools.partial(_cuda_grouped_mm, recipe, hp_weight_grad=False)
         return _HighPrecisionWeightGrad.apply(x_NK, w_EOK, offs_E, lambda a, b, offs: op(a, b, offs))
@@ -124,7 +124,7 @@ def _cuda_grouped_mm(
         y = _to_fp8_blockwise_then_scaled_grouped_mm(
             x_NK, b_t, offs_E, out_dtype=x_NK.dtype, block_size=128, pad_token_groups_for_grouped_mm=False
         )
-    return _zero_past_last_group(y, offs_E)
+    return zero_past_last_group(y, offs_E)
 
 
 class _HighPrecisionWeightGrad(torch.autograd.Function):
