@@ -59,7 +59,8 @@ def test_router_projection_on_cuda_keeps_top_k_and_fp32_gradients():
     dw_want = g.double().t() @ x.double()
     assert x.grad.dtype == torch.bfloat16 and proj.weight.grad.dtype == torch.float32
     torch.testing.assert_close(x.grad.float(), dx_want, atol=2e-2 * dx_want.std().item(), rtol=1e-2)
-    assert ((proj.weight.grad.double() - dw_want).abs().max() / dw_want.std()).item() < 2e-5
+    # dW = g^T x with the fp32 g split in two bf16 pieces: the same ~2^-17 per-term error as the logits above
+    assert ((proj.weight.grad.double() - dw_want).abs().max() / dw_want.std()).item() < 6e-5
 
 
 def _pair(mhc_a, mhc_f, x, w_a, w_f):
