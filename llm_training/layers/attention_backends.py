@@ -188,9 +188,11 @@ def _auto_uses_varlen(has_documents: bool, device: torch.device) -> bool:
 def auto_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits):
     """The fastest kernel measured for the device and case:
     - CUDA SM90 / SM100 with flash-attn-4 installed, bf16 / fp16 -> fa4 for every case. Measured on the H200
-      at the GDLA shape (B2 S4096, 80 / 16 heads, qk 192 / v 128) fwd+bwd: full causal fa4 6.90 ms vs cuDNN
-      SDPA 7.07 ms vs Flex 19.6 ms; window 128 fa4 2.50 ms vs Flex 4.25 ms (dependencies.md; re-measured
-      at 4K-128K by bench/bench_attention.py). In fp32 (a debug setting) -> sdpa.
+      by bench/bench_attention.py (bench/results/fa4_h200.log) at the GDLA shape (80 / 16 heads, qk 192 / v 128),
+      fwd+bwd over 131072 tokens: full causal fa4 / cuDNN SDPA / Flex 114.4 / 111.6 / 300.3 ms at S = 4K,
+      397.5 / 395.9 ms at 16K, 1488 / 1564 ms at 64K, 2953 / 3153 ms at 128K; window 128 fa4 34.9 ms vs Flex
+      61.8 ms (masked SDPA 408 ms). cuDNN is within 3% at 4K-16K plain causal only, cannot mask documents or
+      windows, and fa4 is 5-7% ahead from 64K on: one kernel for every case. In fp32 (a debug setting) -> sdpa.
     - other CUDA with a window or documents -> FlexAttention (SDPA would fall back to its math kernel for
       qk 192 / v 128 with a mask); plain causal -> SDPA (cuDNN);
     - CPU -> SDPA (CPU kernels)."""
