@@ -178,14 +178,14 @@ def test_shipped_configs_validate(name):
 
 def test_example_layouts():
     """The layouts the two production examples describe at 32 ranks: pretrain FSDP 32 x EP 8 (MXFP8, which
-    validates off a GPU: on CPU it runs emulated), SFT EP 8 x CP 8 at 256K tokens."""
+    validates off a GPU: on CPU it runs emulated), SFT EP 8 x CP 16 at 256K tokens."""
     pre = parse("--job.config_file", str(TRAIN_CONFIGS_DIR / "example_c4_pretrain.toml"))
     d = validate_for_world_size(pre, 32)
     assert (d.dp_shard, d.cp, d.ep, pre.training.seq_len) == (32, 1, 8, 4096)
     assert grad_accumulation_steps(pre, d.dp_size) * pre.training.local_batch_size * d.dp_size == 256
     sft = parse("--job.config_file", str(TRAIN_CONFIGS_DIR / "example_c4_sft.toml"))
     d = validate_for_world_size(sft, 32)
-    assert (d.dp_shard, d.cp, d.ep, sft.training.seq_len) == (4, 8, 8, 262144)
+    assert (d.dp_shard, d.cp, d.ep, sft.training.seq_len) == (2, 16, 8, 262144)
 
 
 def test_pretrain_and_sft_examples_comment_every_key():
