@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from llm_training.layers.mhc import MHC, StreamSource
-from llm_training.layers.projection import Fp32Projection, matmul_fp32
+from llm_training.layers.projection import Fp32Projection
+from tests.layers.test_projection import check_split_bf16_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,19 +23,7 @@ pytestmark = [
 def test_matmul_fp32_split_bf16_error_vs_float64(a_dtype, b_dtype, out_dtype):
     """Exact bf16 operands + split fp32 operands: max error ~1e-5 of the output's spread (the dropped lo x lo
     term and fp32 accumulation). Both fp32 with a bf16 result (the backward's dx): within bf16 rounding."""
-    torch.manual_seed(0)
-    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}
-    a = (torch.randn(4096, 2048, device="cuda") + 1e-3).to(dt[a_dtype])
-    b = (torch.randn(2048, 96, device="cuda") * 0.02).to(dt[b_dtype])
-    want = a.double() @ b.double()
-    got = matmul_fp32(a, b, out_dtype=dt[out_dtype])
-    assert got.dtype == dt[out_dtype]
-    err = ((got.double() - want).abs().max() / want.std()).item()
-    if out_dtype == "bf16":
-        rounding = ((want.bfloat16().double() - want).abs().max() / want.std()).item()
-        assert err < 1.5 * rounding + 1e-4, (err, rounding)
-    else:
-        assert err < 2e-5, err
+    check_split_bf16_error(a_dtype, b_dtype, out_dtype, "cuda", (4096, 2048, 96))
 
 
 def test_router_projection_on_cuda_keeps_top_k_and_fp32_gradients():

@@ -105,10 +105,18 @@ def emulated_tensor_cores(monkeypatch):
 def test_split_bf16_path_error_vs_float64(emulated_tensor_cores, a_dtype, b_dtype, out_dtype):
     """The split-bf16 path's error (what CUDA computes, up to fp32 summation order): ~1e-5 of the output's
     spread with one exact bf16 operand; within bf16 rounding of the result when both are fp32."""
+    check_split_bf16_error(a_dtype, b_dtype, out_dtype, "cpu", (512, 1024, 48))
+
+
+def check_split_bf16_error(a_dtype: str, b_dtype: str, out_dtype: str, device: str, shape_MKN: tuple) -> None:
+    """matmul_fp32 of random [M, K] x [K, N] operands in the given dtypes against float64: max error under 2e-5
+    of the output's spread for an fp32 result, within 1.5x bf16 rounding for a bf16 one (also run on CUDA by
+    tests/layers/test_mhc_gpu.py with the real tensor-core kernels)."""
     torch.manual_seed(0)
+    M, K, N = shape_MKN
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}
-    a = (torch.randn(512, 1024) + 1e-3).to(dt[a_dtype])
-    b = (torch.randn(1024, 48) * 0.02).to(dt[b_dtype])
+    a = (torch.randn(M, K, device=device) + 1e-3).to(dt[a_dtype])
+    b = (torch.randn(K, N, device=device) * 0.02).to(dt[b_dtype])
     want = a.double() @ b.double()
     got = matmul_fp32(a, b, out_dtype=dt[out_dtype])
     assert got.dtype == dt[out_dtype]

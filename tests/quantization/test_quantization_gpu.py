@@ -25,6 +25,14 @@ def needs(recipe):
     return pytest.mark.skipif(problem is not None, reason=str(problem))
 
 
+# every recipe's GEMMs; those this GPU cannot run skip with the reason
+GEMM_RECIPES = [
+    "fp8_rowwise",
+    pytest.param("fp8_blockwise", marks=needs("fp8_blockwise")),
+    pytest.param("mxfp8", marks=needs("mxfp8")),
+]
+
+
 def _check(run, ref_bf16, ref_emulated, tensors):
     """Forward and both gradients of `run` vs bf16 and vs the emulation, from the same upstream gradient."""
     outs = {}
@@ -41,14 +49,7 @@ def _check(run, ref_bf16, ref_emulated, tensors):
         assert relative_error(k, b) < VS_BF16 * (1 if i == 0 else 1.5), (what, relative_error(k, b))
 
 
-@pytest.mark.parametrize(
-    "recipe",
-    [
-        "fp8_rowwise",
-        pytest.param("fp8_blockwise", marks=needs("fp8_blockwise")),
-        pytest.param("mxfp8", marks=needs("mxfp8")),
-    ],
-)
+@pytest.mark.parametrize("recipe", GEMM_RECIPES)
 @pytest.mark.parametrize("hp_weight_grad", [False, True])
 def test_linear_kernel_matches_emulation_and_bf16(recipe, hp_weight_grad):
     torch.manual_seed(0)
@@ -62,14 +63,7 @@ def test_linear_kernel_matches_emulation_and_bf16(recipe, hp_weight_grad):
     )
 
 
-@pytest.mark.parametrize(
-    "recipe",
-    [
-        "fp8_rowwise",
-        pytest.param("fp8_blockwise", marks=needs("fp8_blockwise")),
-        pytest.param("mxfp8", marks=needs("mxfp8")),
-    ],
-)
+@pytest.mark.parametrize("recipe", GEMM_RECIPES)
 @pytest.mark.parametrize("hp_weight_grad", [False, True])
 def test_grouped_mm_kernel_matches_emulation_and_bf16(recipe, hp_weight_grad):
     torch.manual_seed(0)
