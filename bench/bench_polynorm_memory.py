@@ -17,11 +17,11 @@ import argparse
 import json
 import statistics
 
-import torch
-
 import activation
-
+import torch
 from cuda_timing import cuda_time_ms
+
+from llm_training.saved_tensors import saved_bytes
 
 EPS = 1e-6
 
@@ -44,18 +44,6 @@ def fused_poly(x, up, weight_E3, bias_E1, offs, bias_clamp, output_scale):
     return activation.grouped_poly_norm(
         x, weight_E3, bias_E1, offs, eps=EPS, bias_clamp=bias_clamp, up=up, output_scale=output_scale
     )
-
-
-def saved_bytes(fn) -> tuple[torch.Tensor, int]:
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(storages.values())
 
 
 def main() -> None:

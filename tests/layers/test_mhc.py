@@ -11,6 +11,7 @@ from llm_training.layers.rope import build_rotary_embeddings
 from llm_training.motif import get_flavor
 from llm_training.motif.activation_memory import PerToken, mhc_sublayer_terms
 from llm_training.motif.model import TransformerBlock
+from llm_training.saved_tensors import saved_storages
 
 
 def test_sinkhorn_doubly_stochastic_and_finite_grads():
@@ -235,22 +236,6 @@ def test_stream_norm_projection_gradcheck_every_input():
     torch.autograd.gradcheck(from_source, (x, h_res, h_post, y, gamma))
 
 
-def _saved_storages(fn, *args, exclude=()):
-    """{storage ptr: (bytes, dtype, shape)} of what autograd saves during fn(*args), `exclude`'s storages left out."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    storages = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            storages.setdefault(ptr, (t.untyped_storage().nbytes(), t.dtype, tuple(t.shape)))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    return storages
-
-
 def test_saved_set_is_one_bf16_stream_per_block_and_matches_the_estimate():
     """Saved-tensor accounting at a Motif-3-like width (n = 4, H = 512): the block keeps its bf16 input stream
     once (not the mid-block stream, no fp32 stream copy), and the bytes per token equal the activation
@@ -262,11 +247,11 @@ def test_saved_set_is_one_bf16_stream_per_block_and_matches_the_estimate():
     sub = lambda u: u * w
     x = torch.randn(B, S, n, H).bfloat16().requires_grad_()
     params = [*mhc_a.parameters(), *mhc_f.parameters(), w]
-    saved = _saved_storages(_fused_sublayer_pair, mhc_a, mhc_f, x, sub, sub, exclude=params)
+    _, saved = saved_storages(lambda: _fused_sublayer_pair(mhc_a, mhc_f, x, sub, sub), exclude=params)
     stream_bytes = n * H * 2 * B * S
-    big = [v for v in saved.values() if v[0] >= stream_bytes]
+    big = [v for v in saved.values() if v.nbytes >= stream_bytes]
     assert big == [(stream_bytes, torch.bfloat16, (B, S, n, H))]  # the input stream, once
-    per_token = sum(v[0] for v in saved.values()) / (B * S)
+    per_token = sum(v.nbytes for v in saved.values()) / (B * S)
     a = get_flavor("motif3_debug").replace(hidden_size=H, mhc_expansion_rate=n)
     want = PerToken(b=n * H) + mhc_sublayer_terms(a) + mhc_sublayer_terms(a)
     assert per_token == want.bytes(2), (per_token, want.bytes(2))

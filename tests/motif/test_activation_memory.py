@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from llm_training.distributed.activation_checkpoint import LONG_CONTEXT_MOE_CHUNK_TOKENS
 from llm_training.layers.attention import GDLAttention
 from llm_training.layers.attention_backends import reference_attention
 from llm_training.motif import get_flavor
-from llm_training.distributed.activation_checkpoint import LONG_CONTEXT_MOE_CHUNK_TOKENS
 from llm_training.motif.activation_memory import estimate_activation_memory, mtp_block_terms, trunk_block_terms
 from llm_training.motif.model import Motif3Model
 from llm_training.motif.state_dict_adapter import is_fp32_key
+from llm_training.saved_tensors import saved_bytes
 
 
 class _FusedKernelSaves(torch.autograd.Function):
@@ -32,20 +33,9 @@ def _fused_kernel(q, k, v, *, scale, window, metadata, record_max_logits):
     return _FusedKernelSaves.apply(q, k, v, scale, window, metadata), None
 
 
-def saved_bytes(model: torch.nn.Module, module: torch.nn.Module, *args) -> int:
-    """Bytes of the distinct storages autograd saves for backward during `module(*args)`, `model`'s parameters
-    excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(*args)
-    return sum(storages.values())
+def module_saved_bytes(model: torch.nn.Module, module: torch.nn.Module, *args) -> int:
+    """Bytes autograd saves for backward during `module(*args)`, `model`'s parameters excluded."""
+    return saved_bytes(lambda: module(*args), exclude=model.parameters())[1]
 
 
 def test_activation_formula_matches_what_a_bf16_forward_saves():
@@ -71,14 +61,14 @@ def test_activation_formula_matches_what_a_bf16_forward_saves():
     }
     for kind, (block, terms, inputs) in cases.items():
         inputs = [x.to(torch.bfloat16).requires_grad_() for x in inputs]
-        got = saved_bytes(model, block, *inputs, pos, None)
+        got = module_saved_bytes(model, block, *inputs, pos, None)
         estimate = B * S * terms.all.bytes(2)
         assert abs(estimate - got) <= 0.03 * got, (kind, estimate, got)
     # the routed-expert share (what long_context AC holds for one chunk only): with the routed experts in
     # checkpointed chunks the MoE block saves all but it
     block, terms, inputs = cases["MoE layer"]
     block.moe.sequence_chunk_tokens = 64
-    got = saved_bytes(model, block, *[x.to(torch.bfloat16).requires_grad_() for x in inputs], pos, None)
+    got = module_saved_bytes(model, block, *[x.to(torch.bfloat16).requires_grad_() for x in inputs], pos, None)
     estimate = B * S * (terms.all.bytes(2) - terms.routed.bytes(2))
     assert terms.routed.bytes(2) > 0.3 * terms.all.bytes(2) and abs(estimate - got) <= 0.03 * got, (estimate, got)
 
