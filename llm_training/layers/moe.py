@@ -213,10 +213,12 @@ class MoE(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat_ids.device)
         return counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
 
-    def _routed(self, x_TH, weights_TK, expert_ids_TK) -> torch.Tensor:
-        """The routed experts' combined output [T, H] (x's dtype) of tokens `x_TH` with their routing."""
+    def _routed(self, x_TH, weights_TK, expert_ids_TK, tokens_per_expert=None) -> torch.Tensor:
+        """The routed experts' combined output [T, H] (x's dtype) of tokens `x_TH` with their routing;
+        `tokens_per_expert` (long [E], counted from `expert_ids_TK`) when the caller has it already."""
         flat_ids = expert_ids_TK.reshape(-1)
-        tokens_per_expert = self._rows_per_expert(flat_ids)
+        if tokens_per_expert is None:
+            tokens_per_expert = self._rows_per_expert(flat_ids)
         order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert, token order kept inside
         token_of_row = order // self.top_k
         x_rows = x_TH[token_of_row]
@@ -236,7 +238,7 @@ class MoE(nn.Module):
         tokens_per_expert = self._rows_per_expert(expert_ids_TK.reshape(-1))
         chunk = self.sequence_chunk_tokens
         if chunk is None or x_TH.shape[0] <= chunk:
-            out = self._routed(x_TH, weights_TK, expert_ids_TK)
+            out = self._routed(x_TH, weights_TK, expert_ids_TK, tokens_per_expert)
         else:
             # Long sequences: the routed rows, expert activations and fp32 combine buffers scale with tokens x K;
             # run them over token chunks, each checkpointed, so that a backward holds one chunk's (the math per
