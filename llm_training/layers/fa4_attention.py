@@ -75,6 +75,7 @@ def _unavailable_reason(device: torch.device) -> Optional[str]:
 
 
 def fa4_usable(device) -> bool:
+    """Whether the fa4 backend can run on `device` (`fa4_unavailable_reason` is None; cached per device)."""
     return fa4_unavailable_reason(device) is None
 
 
