@@ -83,10 +83,12 @@ def build_trainer(
     accum: int = 1,
     optimizer: str | None = None,
     device: str = "cuda",
+    quantize: str = "none",
 ) -> Trainer:
     """Our real Trainer (build_model + parallelize + optimizers + loss) for `flavor` on random data, as a training
     run builds it: bf16 FSDP2 mixed precision on CUDA (a 1-rank process group), fp32 on CPU. `accum` micro-batches
-    of `batch` x `seq_len` tokens make one optimizer step; `optimizer` None keeps the config's default (Muon)."""
+    of `batch` x `seq_len` tokens make one optimizer step; `optimizer` None keeps the config's default (Muon);
+    `quantize`: the [quantize] recipe (none = bf16)."""
     on_cuda = device == "cuda"
     precision = "bfloat16" if on_cuda else "float32"
     overrides = [
@@ -97,7 +99,7 @@ def build_trainer(
         f"--training.local_batch_size={batch}", f"--training.global_batch_size={batch * accum}",
         f"--training.steps={steps}", "--checkpoint.enable=false",
         f"--activation_checkpoint.mode={ac}", f"--compile.enable={'true' if compile_ else 'false'}",
-        "--metrics.save_jsonl=false", "--lr_scheduler.warmup_steps=1",
+        "--metrics.save_jsonl=false", "--lr_scheduler.warmup_steps=1", f"--quantize.recipe={quantize}",
     ]  # fmt: skip
     if optimizer is not None:
         overrides.append(f"--optimizer.name={optimizer}")

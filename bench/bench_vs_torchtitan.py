@@ -16,7 +16,9 @@ Groups (same tokens per optimizer step within a group; select with --cases, comm
   eager     2 x seq_len tokens per step, no compile
   compiled  4 x seq_len tokens per step, torch.compile (ours: [compile] model+loss; torchtitan: model+loss)
   accum     4 micro-batches of 4 x seq_len per optimizer step (64K tokens at seq 4096), compiled
-A case name (ours@compiled, torchtitan@accum, ...) selects one case. `--size tiny` runs every case at the tiny
+A case name (ours@compiled, torchtitan@accum, ...) selects one case. `--quantize fp8_rowwise,...` adds our two
+systems again under each low-precision recipe ([quantize] recipe; e.g. "ours_nomtp+adamw+fp8_rowwise@accum"),
+and the ratio table then also gives each one's speed-up over the same case in bf16. `--size tiny` runs every case at the tiny
 CPU shape (motif3_debug and its matched DeepSeek-V3) for a smoke test.
 
     python bench/bench_vs_torchtitan.py                         # all groups at the proxy shape (GPU)
@@ -82,11 +84,13 @@ class Case:
     steps: int
     warmup: int
     profile_steps: int = 0  # optimizer steps profiled after timing (CUDA): kernel time by cost group
+    recipe: str = "none"  # our systems: the [quantize] recipe (torchtitan: always "none", bf16)
 
     @property
     def name(self) -> str:
         opt = f"+{self.optimizer}" if self.system == "ours_nomtp" else ""
-        return f"{self.system}{opt}@{self.group}"
+        quant = f"+{self.recipe}" if self.recipe != "none" else ""
+        return f"{self.system}{opt}{quant}@{self.group}"
 
     @property
     def shape(self) -> Size:
@@ -110,16 +114,26 @@ class Case:
 
 
 def build_cases(
-    selection: str, size: str, steps: int, warmup: int, nomtp_optimizers: list[str], profile_steps: int = 0
+    selection: str,
+    size: str,
+    steps: int,
+    warmup: int,
+    nomtp_optimizers: list[str],
+    profile_steps: int = 0,
+    recipes: tuple[str, ...] = (),
 ) -> list[Case]:
     """The cases named by `selection`: comma-separated groups ("eager", "compiled", "accum", "all") and/or case
     names as printed (e.g. "ours@compiled", "ours_nomtp+adamw@accum", "torchtitan@eager"). Order: group, then
-    ours, ours_nomtp (per optimizer), torchtitan. The accum group runs half the timed steps (each is 4x longer)."""
+    ours, ours_nomtp (per optimizer), each again under every one of `recipes` (low-precision [quantize] recipes),
+    then torchtitan. The accum group runs half the timed steps (each is 4x longer)."""
     every = []
     for group in GROUPS:
         n_steps = max(1, steps // 2) if group == "accum" else steps
-        every.append(Case("ours", group, size, "muon", n_steps, warmup, profile_steps))
-        every += [Case("ours_nomtp", group, size, opt, n_steps, warmup, profile_steps) for opt in nomtp_optimizers]
+        for recipe in ("none", *(r for r in recipes if r != "none")):
+            every.append(Case("ours", group, size, "muon", n_steps, warmup, profile_steps, recipe))
+            every += [
+                Case("ours_nomtp", group, size, opt, n_steps, warmup, profile_steps, recipe) for opt in nomtp_optimizers
+            ]
         every.append(Case("torchtitan", group, size, "adamw", n_steps, warmup, profile_steps))
     chosen = []
     for token in [t.strip() for t in selection.split(",") if t.strip()]:
@@ -355,7 +369,8 @@ def run_worker(case: Case) -> dict:
         flavor = case.shape.flavor if case.system == "ours" else case.shape.flavor_nomtp
         vocab = get_flavor(flavor).vocab_size
         trainer = build_trainer(flavor, seq, case.batch, "none", case.compiled, tempfile.mkdtemp(prefix="bench_vs_tt_"),
-                                case.steps + case.warmup, case.accum, case.optimizer, device.type)  # fmt: skip
+                                case.steps + case.warmup, case.accum, case.optimizer, device.type,
+                                quantize=case.recipe)  # fmt: skip
         nparams = sum(p.numel() for p in trainer.model.parameters())
         flops = our_flops_per_token(flavor, seq)
 
@@ -379,24 +394,34 @@ def run_worker(case: Case) -> dict:
     }  # fmt: skip
     row.update(throughput(case.tokens_per_step, statistics.median(timed["times_s"]), flops, peak))
     if case.profile_steps and device.type == "cuda":
-        row["profile_groups"] = profile_kernel_groups(step, case.steps + case.warmup, case.profile_steps)
+        row["profile_groups"], row["profile_top_kernels"] = profile_kernel_groups(
+            step, case.steps + case.warmup, case.profile_steps
+        )
     return row
 
 
-def profile_kernel_groups(step, first_index: int, steps: int) -> list[dict]:
+def profile_kernel_groups(step, first_index: int, steps: int) -> tuple[list[dict], list[dict]]:
     """`steps` more optimizer steps under torch.profiler (CUDA kernels only); their kernel time by cost group
-    (bench/kernel_groups.py: optimizer ranges, GEMM kinds, attention, copies/casts, ...), per step."""
+    (bench/kernel_groups.py: optimizer ranges, GEMM kinds, attention, copies/casts, ...) and the 40 kernels
+    that take the most time, per step."""
     import torch
-    from kernel_groups import format_groups, group_kernels
+    from kernel_groups import format_groups, group_kernels, top_kernels
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
             step(first_index + i)
         torch.cuda.synchronize()
-    groups = group_kernels(prof.events())
+    events = prof.events()
+    groups = group_kernels(events)
     print(format_groups(groups, steps), flush=True)
-    return [{"group": g, "ms_per_step": ms / steps, "share": share} for g, ms, share in groups]
+    top = [
+        {"group": g, "kernel": k, "ms_per_step": ms / steps, "launches_per_step": calls / steps}
+        for g, k, ms, calls in top_kernels(events)
+    ]
+    for t in top:
+        print(f"{t['ms_per_step']:9.1f} ms {t['launches_per_step']:6.0f}x  {t['group']:<18} {t['kernel'][:140]}")
+    return [{"group": g, "ms_per_step": ms / steps, "share": share} for g, ms, share in groups], top
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -436,24 +461,31 @@ def run_case_subprocess(case: Case, timeout_s: float, log_dir: Path, alloc_conf:
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per group: each of our rows against the torchtitan row of the same group (same tokens per step):
-    tokens/s ratio and MFU ratio, each system counted in its own real-work convention ("megatron") and in
-    torchtitan's."""
+    """Per group: each of our rows against the torchtitan row of the same group (same tokens per step), and each
+    low-precision row against the same case in bf16 (recipe "none"): tokens/s ratio and MFU ratio, each system
+    counted in its own real-work convention ("megatron") and in torchtitan's."""
+
+    def ok(t: dict) -> bool:
+        return "error" not in t
+
+    def same_case_in_bf16(r: dict, t: dict) -> bool:
+        keys = ("system", "group", "optimizer")
+        return t.get("recipe", "none") == "none" and all(t.get(k) == r.get(k) for k in keys)
+
     out = []
     for r in rows:
-        if r["system"] == "torchtitan" or "error" in r:
+        if r["system"] == "torchtitan" or not ok(r):
             continue
-        peer = next(
-            (t for t in rows if t["system"] == "torchtitan" and t["group"] == r["group"] and "error" not in t), None
-        )
-        if peer is None:
-            continue
-        out.append({
-            "case": r["case"], "vs": peer["case"],
-            "tokens_per_s": r["tokens_per_s"] / peer["tokens_per_s"],
-            "tflops_megatron": r["tflops_megatron"] / peer["tflops_megatron"],
-            "tflops_torchtitan": r["tflops_torchtitan"] / peer["tflops_torchtitan"],
-        })  # fmt: skip
+        peers = [next((t for t in rows if t["system"] == "torchtitan" and t["group"] == r["group"] and ok(t)), None)]
+        if r.get("recipe", "none") != "none":
+            peers.append(next((t for t in rows if ok(t) and same_case_in_bf16(r, t)), None))
+        for peer in filter(None, peers):
+            out.append({
+                "case": r["case"], "vs": peer["case"],
+                "tokens_per_s": r["tokens_per_s"] / peer["tokens_per_s"],
+                "tflops_megatron": r["tflops_megatron"] / peer["tflops_megatron"],
+                "tflops_torchtitan": r["tflops_torchtitan"] / peer["tflops_torchtitan"],
+            })  # fmt: skip
     return out
 
 
@@ -467,24 +499,24 @@ def _num(v, spec: str) -> str:
 
 def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
     """The printed table: one line per case (FAIL lines give the reason), then the ours/torchtitan ratios."""
-    head = (f"{'case':<26}{'tok/step':>9}{'ms/step':>9}{'tok/s':>9}{'TF/s ours':>10}{'MFU ours':>9}"
+    head = (f"{'case':<36}{'tok/step':>9}{'ms/step':>9}{'tok/s':>9}{'TF/s ours':>10}{'MFU ours':>9}"
             f"{'TF/s tt':>8}{'MFU tt':>8}{'resv GiB':>9}{'1st s':>7}{'graphs':>7}{'recomp':>7}{'case s':>7}")  # fmt: skip
     lines = [head]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['case']:<26}FAIL {r['error']}")
+            lines.append(f"{r['case']:<36}FAIL {r['error']}")
             continue
         lines.append(
-            f"{r['case']:<26}{r['tokens_per_step']:>9}{r['step_ms_median']:>9.1f}{r['tokens_per_s']:>9.0f}"
+            f"{r['case']:<36}{r['tokens_per_step']:>9}{r['step_ms_median']:>9.1f}{r['tokens_per_s']:>9.0f}"
             f"{r['tflops_megatron']:>10.1f}{_pct(r['mfu_megatron']):>9}{r['tflops_torchtitan']:>8.1f}"
             f"{_pct(r['mfu_torchtitan']):>8}{_num(r['peak_reserved_gib'], '.1f'):>9}{r['first_step_s']:>7.1f}"
             f"{r['unique_graphs']:>7}{r['recompiles']:>7}{r['case_wall_s']:>7.0f}"
         )
     if ratio_rows:
-        lines.append("ours / torchtitan (same group = same tokens per step):")
-        lines.append(f"{'case':<26}{'vs':<22}{'tok/s':>8}{'TF/s ours-conv':>16}{'TF/s tt-conv':>14}")
+        lines.append("ours / torchtitan, and low precision / bf16 (same group = same tokens per step):")
+        lines.append(f"{'case':<36}{'vs':<30}{'tok/s':>8}{'TF/s ours-conv':>16}{'TF/s tt-conv':>14}")
         for q in ratio_rows:
-            lines.append(f"{q['case']:<26}{q['vs']:<22}{q['tokens_per_s']:>8.3f}{q['tflops_megatron']:>16.3f}"
+            lines.append(f"{q['case']:<36}{q['vs']:<30}{q['tokens_per_s']:>8.3f}{q['tflops_megatron']:>16.3f}"
                          f"{q['tflops_torchtitan']:>14.3f}")  # fmt: skip
     return "\n".join(lines)
 
@@ -496,6 +528,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6, help="timed steps per case (accum: half)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per case (the first is the compile step)")
     p.add_argument("--timeout", type=float, default=480.0, help="seconds per case before it is killed (FAIL row)")
+    p.add_argument("--quantize", default="", help="comma-separated [quantize] recipes (fp8_rowwise, mxfp8, ...): "
+                   "our systems again under each, with their speed-up over bf16")  # fmt: skip
     p.add_argument("--nomtp-optimizers", default="adamw", help="optimizers of the ours_nomtp rows: adamw, muon or both")
     p.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps per case (CUDA): "
                    "kernel time by cost group (bench/kernel_groups.py), printed and in the JSON")  # fmt: skip
@@ -513,7 +547,8 @@ def main(argv=None) -> int:
         Path(a.result).write_text(json.dumps(row, indent=2))
         return 0
     optimizers = [o.strip() for o in a.nomtp_optimizers.replace("both", "adamw,muon").split(",") if o.strip()]
-    cases = build_cases(a.cases, a.size, a.steps, a.warmup, optimizers, a.profile_steps)
+    recipes = tuple(r.strip() for r in a.quantize.split(",") if r.strip())
+    cases = build_cases(a.cases, a.size, a.steps, a.warmup, optimizers, a.profile_steps, recipes)
     log_dir = Path(tempfile.mkdtemp(prefix="bench_vs_torchtitan_"))
     rows = []
     for case in cases:

@@ -15,7 +15,9 @@ whatever they are (Newton-Schulz GEMMs included); every other kernel is classifi
     elementwise/fused   everything else (pointwise, reductions, compiled Triton fusions, index ops)
 
 `group_kernels(events)` takes `prof.events()` (the profiler's FunctionEvent list) and returns
-`[(group, total_ms, share)]` sorted by time; `format_groups` prints it as a table.
+`[(group, total_ms, share)]` sorted by time; `format_groups` prints it as a table. `top_kernels(events, n)`
+lists the n kernels (by name) that take the most time, with their group and launch count, so a group's cost
+can be traced to the ops behind it (compiled Triton kernels are named after the ops they fuse).
 """
 
 from __future__ import annotations
@@ -57,9 +59,8 @@ def _is_gpu(evt) -> bool:
     return str(getattr(evt, "device_type", "")).endswith(("CUDA", "PrivateUse1"))
 
 
-def group_kernels(events: Iterable) -> list[tuple[str, float, float]]:
-    """[(group, ms, share of all kernel time)] for the GPU kernels in `events`, largest first."""
-    events = list(events)
+def _charged_kernels(events: Iterable) -> list[tuple[str, str, float]]:
+    """(group, kernel name, ms) of every GPU kernel in `events`, optimizer-range kernels charged to the optimizer."""
     gpu = [e for e in events if _is_gpu(e)]
     # GPU-side annotation ranges of the optimizer steps (gpu_user_annotation events carry the range name)
     opt_ranges = []
@@ -67,15 +68,34 @@ def group_kernels(events: Iterable) -> list[tuple[str, float, float]]:
         m = OPTIMIZER_RANGE.match(e.name)
         if m:
             opt_ranges.append((e.time_range.start, e.time_range.end, f"optimizer: {m.group(1)}"))
-    totals: dict[str, float] = defaultdict(float)
+    charged = []
     for e in gpu:
         if OPTIMIZER_RANGE.match(e.name) or getattr(e, "is_user_annotation", False):
             continue
         start, end = e.time_range.start, e.time_range.end
         group = next((g for s, t, g in opt_ranges if s <= start and end <= t), None) or classify_kernel(e.name)
-        totals[group] += (end - start) / 1e3  # us -> ms
+        charged.append((group, e.name, (end - start) / 1e3))  # us -> ms
+    return charged
+
+
+def group_kernels(events: Iterable) -> list[tuple[str, float, float]]:
+    """[(group, ms, share of all kernel time)] for the GPU kernels in `events`, largest first."""
+    totals: dict[str, float] = defaultdict(float)
+    for group, _, ms in _charged_kernels(events):
+        totals[group] += ms
     total = sum(totals.values()) or 1.0
     return sorted(((g, ms, ms / total) for g, ms in totals.items()), key=lambda r: -r[1])
+
+
+def top_kernels(events: Iterable, n: int = 40) -> list[tuple[str, str, float, int]]:
+    """[(group, kernel name, total ms, launches)] of the n kernel names with the most GPU time, largest first."""
+    totals: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0])
+    for group, name, ms in _charged_kernels(events):
+        entry = totals[(group, name)]
+        entry[0] += ms
+        entry[1] += 1
+    rows = sorted(((g, k, ms, calls) for (g, k), (ms, calls) in totals.items()), key=lambda r: -r[2])
+    return rows[:n]
 
 
 def format_groups(rows: list[tuple[str, float, float]], steps: int) -> str:

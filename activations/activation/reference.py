@@ -22,6 +22,12 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float64 else t.float()
 
 
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`, without a no-op `.to`: torch 2.11's dynamo gives wrong gradients for an autograd.Function
+    whose forward returns a same-dtype `.to()` of an intermediate (fp32 inputs; fixed in later torch)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 # ----------------------------------------------------------------------------------------- RMSNorm
 def rms_forward_math(h_ND: torch.Tensor, weight_D: torch.Tensor, eps: float):
     """fp32 RMSNorm of the rows of `h_ND`; returns (y_ND fp32, rstd_N1 fp32)."""
@@ -48,7 +54,7 @@ class RMSNormFn(torch.autograd.Function):
         y32, rstd_N1 = rms_forward_math(h_ND, weight32_D, eps)
         ctx.save_for_backward(h_ND, weight32_D, rstd_N1)
         ctx.has_residual = residual_ND is not None
-        y = y32.to(x_ND.dtype)
+        y = cast(y32, x_ND.dtype)
         return (y, h_ND) if ctx.has_residual else y
 
     @staticmethod
@@ -137,7 +143,7 @@ class PolyNormFn(torch.autograd.Function):
             p = p * upcast(up_ND)
         if valid_N1 is not None:
             p = torch.where(valid_N1, p, 0.0)
-        out = p.to(x_ND.dtype)
+        out = cast(p, x_ND.dtype)
         if output_scale != 1.0:
             out = out * output_scale  # after the down-cast (model-spec §1.1 "order matters")
         ctx.save_for_backward(x_ND, up_ND, weight32_E3, bias32_E1, offs_E, rstd_N3)

@@ -38,8 +38,9 @@ def reset_compile_stats() -> None:
 def compile_stats(max_reasons: int = 8) -> dict:
     """What dynamo compiled since the last `reset_compile_stats`: frames compiled, unique graphs (FX graphs handed
     to the backend; a graph break makes more than one per frame), graph breaks, recompiles (compiles of a frame
-    that already had compiled code: a guard of every earlier entry failed) and the first line of up to
-    `max_reasons` distinct guard failures, as "function: compile id: guard"."""
+    that already had compiled code: a guard of every earlier entry failed), the first line of up to
+    `max_reasons` distinct guard failures, as "function: compile id: guard", and of up to `max_reasons`
+    graph-break reasons with their counts, most frequent first (`TORCH_LOGS=graph_breaks` prints where)."""
     from torch._dynamo import convert_frame, utils
 
     compiles_per_frame = getattr(convert_frame, "FRAME_COMPILE_COUNTER", {})
@@ -55,4 +56,8 @@ def compile_stats(max_reasons: int = 8) -> dict:
         "graph_breaks": int(sum(utils.counters["graph_break"].values())),
         "recompiles": int(sum(max(n - 1, 0) for n in compiles_per_frame.values())),
         "guard_failures": reasons[:max_reasons],
+        "graph_break_reasons": [
+            f"{n}x {' '.join(reason.split())[:300]}"
+            for reason, n in utils.counters["graph_break"].most_common(max_reasons)
+        ],
     }

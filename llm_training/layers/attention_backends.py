@@ -177,8 +177,13 @@ def _auto_picks_fa4(device: torch.device) -> bool:
     return fa4_usable(device)
 
 
-def _auto_uses_flex(window: Optional[int], has_documents: bool, device: torch.device) -> bool:
-    return device.type == "cuda" and (window is not None or has_documents) and not _auto_picks_fa4(device)
+def _auto_uses_flex(
+    window: Optional[int], has_documents: bool, device: torch.device, picks_fa4: Optional[bool] = None
+) -> bool:
+    """`picks_fa4`: already decided (AttentionMetadata.auto_picks_fa4), so compiled layers never probe the import."""
+    if picks_fa4 is None:
+        picks_fa4 = _auto_picks_fa4(device)
+    return device.type == "cuda" and (window is not None or has_documents) and not picks_fa4
 
 
 def _auto_uses_varlen(has_documents: bool, device: torch.device) -> bool:
@@ -203,7 +208,7 @@ def auto_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_ma
 
             return fa4_attention(q_BSHD, k_BSKD, v_BSKE, **kw)
         return sdpa_attention(q_BSHD, k_BSKD, v_BSKE, **kw)
-    uses_flex = _auto_uses_flex(window, metadata.document_ids is not None, q_BSHD.device)
+    uses_flex = _auto_uses_flex(window, metadata.document_ids is not None, q_BSHD.device, picks_fa4=False)
     kernel = flex_attention_kernel if uses_flex else sdpa_attention
     return kernel(q_BSHD, k_BSKD, v_BSKE, **kw)
 

@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from llm_training.layers import projection
 from llm_training.layers.norms import RMSNorm
-from llm_training.layers.projection import Fp32Projection, matmul_fp32
+from llm_training.layers.projection import Fp32Projection, cast, matmul_fp32
 
 _SIGMOID_ARG_CLAMP = 10.0
 _SINKHORN_EXP_CLAMP = 20.0
@@ -175,7 +175,7 @@ def _collapse(x_BSnH: torch.Tensor, h_BSn: torch.Tensor) -> torch.Tensor:
     acc = h_BSn[..., 0, None] * x_BSnH[..., 0, :]
     for i in range(1, x_BSnH.shape[-2]):
         acc = torch.addcmul(acc, h_BSn[..., i, None], x_BSnH[..., i, :])  # one op per term in eager mode
-    return acc.to(x_BSnH.dtype)
+    return cast(acc, x_BSnH.dtype)
 
 
 def _mix(
@@ -194,7 +194,7 @@ def _mix(
             acc = torch.addcmul(acc, h_BSnn[..., i, j, None], x_BSnH[..., j, :])
         if y_BSH is not None:
             acc = torch.addcmul(acc, h_post_BSn[..., i, None], y_BSH)
-        rows.append(acc.to(out_dtype or x_BSnH.dtype))
+        rows.append(cast(acc, out_dtype or x_BSnH.dtype))
     return torch.stack(rows, dim=-2)
 
 
@@ -214,7 +214,7 @@ def _rows(t: torch.Tensor, trailing: int) -> torch.Tensor:
 
 def _save_stream(ctx, x: torch.Tensor, source: tuple, *others: torch.Tensor | None) -> None:
     ctx.n_source = len(source)  # the source arguments get no gradient (they get it through X's own graph)
-    ctx.from_source = bool(source) and source[0] is not None
+    ctx.from_source = len(source) > 0 and source[0] is not None  # (torch 2.11's dynamo cannot trace bool(tuple))
     ctx.save_for_backward(*(source if ctx.from_source else (x,)), *others)
 
 
@@ -276,7 +276,7 @@ class _StreamNormProjection(torch.autograd.Function):
                 gemm = matmul_fp32(draw_TK[s : s + step], folded_KD, out_dtype=ct)
                 dx_TD[s : s + step] = torch.addcmul(gemm, xf_TD[s : s + step], coef_T1[s : s + step])
             dx = dx_TD.view(x_BSnH.shape)
-        if need[1] or any(need[3:6]):
+        if need[1] or need[3] or need[4] or need[5]:
             dfolded_KD = matmul_fp32(draw_TK.t(), xf_TD, out_dtype=folded_KD.dtype)
             if need[1]:
                 dgamma = (dfolded_KD * w_KD).sum(0).to(gamma_D.dtype)

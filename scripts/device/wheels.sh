@@ -10,9 +10,19 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 if [ -f "$ROOT/.cu13/cu13.tar.xz" ] && [ ! -d /tmp/cu13site ]; then
   mkdir -p /tmp/cu13site && xz -dc "$ROOT/.cu13/cu13.tar.xz" | tar xf - -C /tmp/cu13site && echo "[wheels] cu13 libs unpacked"
 fi
-if ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$ROOT"/.whl/*.whl \
-    && echo "[wheels] installed: $(ls "$ROOT"/.whl | sed 's/-[0-9].*//' | tr '\n' ' ')"
+# Without the cu13 libs, nvidia-cutlass-dsl is half installed and raises at import, and torchao (which probes it)
+# would fail too: then flash-attn-4 and its DSL wheels are left out (the fa4 backend reports itself unavailable).
+wheels=()
+for w in "$ROOT"/.whl/*.whl; do
+  [ -f "$w" ] || continue
+  case "$(basename "$w")" in
+    nvidia_cutlass_dsl*|flash_attn_4*|quack_kernels*) [ -d /tmp/cu13site ] || continue ;;
+  esac
+  wheels+=("$w")
+done
+if [ "${#wheels[@]}" -gt 0 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" \
+    && echo "[wheels] installed: $(for w in "${wheels[@]}"; do basename "$w" | sed 's/-[0-9].*//'; done | tr '\n' ' ')"
 fi
 if [ -d /tmp/cu13site ] && [ -d /tmp/site ]; then cp -a /tmp/cu13site/. /tmp/site/; fi
 export PYTHONPATH="$ROOT:$ROOT/activations:$ROOT/optimizer${PYTHONPATH:+:$PYTHONPATH}"

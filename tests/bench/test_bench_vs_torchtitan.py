@@ -34,6 +34,28 @@ def test_case_selection_by_group_and_name():
         bvt.build_cases("fast", "proxy", 6, 2, ["adamw"])
 
 
+def test_quantize_recipes_add_our_systems_under_each_recipe():
+    cases = bvt.build_cases("accum", "proxy", 6, 2, ["adamw"], recipes=("fp8_rowwise",))
+    assert [c.name for c in cases] == [
+        "ours@accum", "ours_nomtp+adamw@accum", "ours+fp8_rowwise@accum", "ours_nomtp+adamw+fp8_rowwise@accum",
+        "torchtitan@accum",
+    ]  # fmt: skip
+    assert bvt.build_cases("ours_nomtp+adamw+fp8_rowwise@accum", "proxy", 6, 2, ["adamw"], recipes=("fp8_rowwise",))
+
+
+def test_low_precision_rows_are_also_compared_with_bf16():
+    bf16 = _row("ours_nomtp", "accum", 20000.0, 200.0, 250.0, optimizer="adamw")
+    fp8 = _row("ours_nomtp", "accum", 26000.0, 260.0, 325.0, optimizer="adamw", recipe="fp8_rowwise")
+    fp8["case"] = "ours_nomtp+adamw+fp8_rowwise@accum"
+    titan = _row("torchtitan", "accum", 40000.0, 400.0, 500.0, optimizer="adamw")
+    by_pair = {(q["case"], q["vs"]): q["tokens_per_s"] for q in bvt.ratios([bf16, fp8, titan])}
+    assert by_pair == {
+        ("ours_nomtp@accum", "torchtitan@accum"): 0.5,
+        ("ours_nomtp+adamw+fp8_rowwise@accum", "torchtitan@accum"): 0.65,
+        ("ours_nomtp+adamw+fp8_rowwise@accum", "ours_nomtp@accum"): 1.3,
+    }
+
+
 def _row(system, group, tok_s, tf_ours, tf_tt, **kw):
     return {"case": f"{system}@{group}", "system": system, "group": group, "tokens_per_step": 16384,
             "step_ms_median": 1e3 * 16384 / tok_s, "tokens_per_s": tok_s, "tflops_megatron": tf_ours,
@@ -60,7 +82,7 @@ def test_ratios_and_table_pair_each_of_our_rows_with_torchtitan_in_its_group():
         }
     ]  # fmt: skip  (ours@eager has no peer: its torchtitan row failed)
     table = bvt.format_table(rows, ratio_rows)
-    assert "torchtitan@eager          FAIL timeout after 5 s: x" in table
+    assert "torchtitan@eager" + " " * 20 + "FAIL timeout after 5 s: x" in table
     assert "ours / torchtitan" in table and "0.400" in table and "20.2%" in table  # 200 / 989
 
 

@@ -60,3 +60,19 @@ def test_optimizer_range_claims_its_kernels_and_shares_sum_to_one():
     table = kernel_groups.format_groups(kernel_groups.group_kernels(events), steps=2)
     bf16_line = next(line for line in table.splitlines() if line.startswith("bf16 GEMM"))
     assert bf16_line.split()[2] == "2.0"  # 4 ms over 2 steps
+
+
+def test_top_kernels_sums_launches_by_name_largest_first():
+    events = [
+        _evt("triton_red_fused_mul_sum_3", 0, 3000),
+        _evt("nvjet_tst_fwd", 3000, 5000),
+        _evt("triton_red_fused_mul_sum_3", 5000, 7000),  # second launch of the same kernel
+        _evt("Optimizer.step#Muon.step", 7000, 9000, annotation=True),
+        _evt("triton_poi_fused_add_1", 7000, 8000),  # inside Muon
+    ]
+    top = kernel_groups.top_kernels(events, n=2)
+    assert top == [
+        ("elementwise/fused", "triton_red_fused_mul_sum_3", pytest.approx(5.0), 2),
+        ("bf16 GEMM", "nvjet_tst_fwd", pytest.approx(2.0), 1),
+    ]
+    assert kernel_groups.top_kernels(events, n=10)[-1] == ("optimizer: Muon", "triton_poi_fused_add_1", 1.0, 1)

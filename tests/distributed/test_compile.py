@@ -72,3 +72,20 @@ def test_compile_stats_count_a_recompile_and_its_reason():
     stats = compile_stats()
     assert stats["compiled_frames"] == 2 and stats["unique_graphs"] == 2 and stats["recompiles"] == 1, stats
     assert any("scale == 1" in r for r in stats["guard_failures"]), stats
+
+
+def test_compile_stats_name_the_graph_break_reason():
+    class Breaks(torch.nn.Module):
+        def forward(self, x):
+            y = x * 2
+            torch._dynamo.graph_break()
+            return y + 1
+
+    reset_compile_stats()
+    mod = Breaks()
+    apply_compile([mod], backend="eager")
+    mod(torch.randn(4))
+    stats = compile_stats()
+    assert stats["graph_breaks"] == 1, stats
+    assert len(stats["graph_break_reasons"]) == 1 and stats["graph_break_reasons"][0].startswith("1x "), stats
+    assert "graph_break" in stats["graph_break_reasons"][0], stats
