@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -433,8 +434,9 @@ def run_case_subprocess(case: Case, timeout_s: float, log_dir: Path, alloc_conf:
     log = result.with_suffix(".log")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(dataclasses.asdict(case)),
            "--result", str(result)]  # fmt: skip
-    # a fresh inductor / triton cache per case: the first-step time is a cold compile, whatever ran before
-    cache = log_dir / f"cache_{result.stem}"
+    # a fresh inductor / triton cache per case (outside log_dir, which keeps only logs and results): the first-step
+    # time is a cold compile, whatever ran before
+    cache = Path(tempfile.mkdtemp(prefix=f"bench_vs_torchtitan_cache_{result.stem}_"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
            "TRITON_CACHE_DIR": str(cache / "triton")}  # fmt: skip
     if alloc_conf:
@@ -450,6 +452,7 @@ def run_case_subprocess(case: Case, timeout_s: float, log_dir: Path, alloc_conf:
             proc.wait()
             rc, reason = None, f"timeout after {timeout_s:.0f} s"
     wall = time.perf_counter() - start
+    shutil.rmtree(cache, ignore_errors=True)
     if reason is None and result.exists():
         row = json.loads(result.read_text())
     else:
@@ -539,6 +542,7 @@ def main(argv=None) -> int:
         help="PYTORCH_CUDA_ALLOC_CONF of every case (default: what torchtitan's run_train.sh sets)",
     )
     p.add_argument("--out", default=str(BENCH_DIR / "results" / "bench_vs_torchtitan.json"))
+    p.add_argument("--log-dir", help="where each case's log and result JSON go as it ends (default: a temp folder)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one case's JSON, run in this process
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -549,7 +553,8 @@ def main(argv=None) -> int:
     optimizers = [o.strip() for o in a.nomtp_optimizers.replace("both", "adamw,muon").split(",") if o.strip()]
     recipes = tuple(r.strip() for r in a.quantize.split(",") if r.strip())
     cases = build_cases(a.cases, a.size, a.steps, a.warmup, optimizers, a.profile_steps, recipes)
-    log_dir = Path(tempfile.mkdtemp(prefix="bench_vs_torchtitan_"))
+    log_dir = Path(a.log_dir) if a.log_dir else Path(tempfile.mkdtemp(prefix="bench_vs_torchtitan_"))
+    log_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for case in cases:
         row = run_case_subprocess(case, a.timeout, log_dir, a.alloc_conf)

@@ -38,7 +38,7 @@ _RULES: list[tuple[str, re.Pattern]] = [
     (
         "copies/casts",
         re.compile(
-            r"direct_copy|copy_kernel|CatArrayBatchedCopy|Memcpy|Memset|transpose|"
+            r"direct_copy|copy_kernel|CatArrayBatchedCopy|Memcpy|Memset|^(?!triton_).*transpose|"
             r"^triton_\w+_fused__to_copy_\d+$|unrolled_elementwise_kernel<.*copy",
             re.IGNORECASE,
         ),

@@ -265,7 +265,8 @@ class _StreamNormProjection(torch.autograd.Function):
         dws = [None, None, None]
         if need[0]:
             # dx = draw W~ + (2 / D) dmean * X in fp32, rounded once to X's dtype (a bf16 GEMM output would add a
-            # rounding that a cancellation-prone coefficient gradient feels: tests/layers/test_mhc.py), over
+            # rounding that a cancellation-prone coefficient gradient feels: tests/layers/test_mhc.py; on CUDA the
+            # fp32 GEMM runs on tensor cores as split-bf16 pairs, not as fp32 FFMA), over
             # token chunks so the fp32 values are at most _BACKWARD_CHUNK elements at a time, not the n-wide
             # stream (a single chunk at the CPU demo's size).
             ct = torch.promote_types(x_BSnH.dtype, torch.float32)
@@ -273,7 +274,7 @@ class _StreamNormProjection(torch.autograd.Function):
             dx_TD = torch.empty_like(xf_TD)
             step = max(1, _BACKWARD_CHUNK // D)
             for s in range(0, xf_TD.shape[0], step):
-                gemm = matmul_fp32(draw_TK[s : s + step], folded_KD, out_dtype=ct)
+                gemm = matmul_fp32(draw_TK[s : s + step], folded_KD, out_dtype=ct, split_fp32_pair=True)
                 dx_TD[s : s + step] = torch.addcmul(gemm, xf_TD[s : s + step], coef_T1[s : s + step])
             dx = dx_TD.view(x_BSnH.shape)
         if need[1] or need[3] or need[4] or need[5]:

@@ -67,22 +67,29 @@ def bmm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a, b, out_dtype=torch.float32)
 
 
-def _use_split_bf16(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> bool:
+def _use_split_bf16(
+    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32, split_fp32_pair: bool = False
+) -> bool:
     """The tensor-core path: CUDA, every operand bf16 or fp32, and either one of them bf16 (the inputs of the
-    forward GEMMs) or a bf16 result (the backward's dx, which both split operands give to bf16 accuracy).
-    Otherwise (fp32 operands for an fp32 result, CPU, fp64) the math is exact in the wider dtype."""
+    forward GEMMs), or a bf16 result (the backward's dx, which both split operands give to bf16 accuracy), or
+    `split_fp32_pair` (the caller rounds the fp32 result to bf16 soon after). Otherwise (fp32 operands for an
+    fp32 result, CPU, fp64) the math is exact in the wider dtype."""
     dtypes = {a.dtype, b.dtype}
-    low = torch.bfloat16 in dtypes or out_dtype == torch.bfloat16
+    low = torch.bfloat16 in dtypes or out_dtype == torch.bfloat16 or split_fp32_pair
     return on_tensor_cores(a) and dtypes <= {torch.bfloat16, torch.float32} and low
 
 
-def matmul_fp32(a_MK: torch.Tensor, b_KN: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def matmul_fp32(
+    a_MK: torch.Tensor, b_KN: torch.Tensor, out_dtype: torch.dtype = torch.float32, split_fp32_pair: bool = False
+) -> torch.Tensor:
     """a @ b with fp32 accumulation, returned in `out_dtype` (module docstring). 2-D operands.
 
     On CUDA with a bf16 operand the split pieces are concatenated along the SMALL operand's free dimension (or
     along K when both are split), so the large operand is never copied; the partial products are summed in
-    fp32. Elsewhere: exact math in promote(a, b, fp32)."""
-    if not _use_split_bf16(a_MK, b_KN, out_dtype):
+    fp32. `split_fp32_pair`: two fp32 operands for an fp32 result are split too (tensor cores instead of fp32
+    FFMA; ~2^-17 relative per product), for results that are rounded to bf16 after a last fp32 step.
+    Elsewhere: exact math in promote(a, b, fp32)."""
+    if not _use_split_bf16(a_MK, b_KN, out_dtype, split_fp32_pair):
         ct = torch.promote_types(torch.promote_types(a_MK.dtype, b_KN.dtype), torch.float32)
         return (a_MK.to(ct) @ b_KN.to(ct)).to(out_dtype)
     A, B = _bf16_parts(a_MK), _bf16_parts(b_KN)

@@ -110,9 +110,26 @@ def test_a_case_that_crashes_is_a_fail_row_with_its_last_line(tmp_path):
 def test_tiny_end_to_end_run_writes_rows_and_ratios(tmp_path):
     cases = "ours@eager,torchtitan@eager" if HAS_TORCHTITAN else "ours_nomtp+adamw@accum"
     out = tmp_path / "bvt.json"
-    rc = bvt.main(["--size", "tiny", "--cases", cases, "--steps", "1", "--warmup", "1", "--out", str(out)])
+    logs = tmp_path / "logs"
+    argv = [
+        "--size",
+        "tiny",
+        "--cases",
+        cases,
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+        "--log-dir",
+        str(logs),
+    ]
+    rc = bvt.main(argv)
     result = json.loads(out.read_text())
     assert rc == 0, result
+    # each case's result and log land in --log-dir as it ends; its compile cache does not
+    assert sorted(p.suffix for p in logs.iterdir()) == sorted([".json", ".log"] * len(result["rows"]))
     for row in result["rows"]:
         assert row["tokens_per_s"] > 0 and abs(row["first_ce"] - row["ln_vocab"]) < 1.5
         assert row["gflop_per_token_megatron"] > 0 and row["gflop_per_token_torchtitan"] > 0

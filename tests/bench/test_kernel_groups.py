@@ -30,6 +30,9 @@ _spec.loader.exec_module(kernel_groups)
         ("triton_red_fused_rms_norm_3", "norms"),
         ("polynorm_fwd_kernel", "norms"),
         ("triton_poi_fused_add_mul_sigmoid_7", "elementwise/fused"),
+        # a compiled fusion that merely contains a transpose is math, not a copy
+        ("triton_poi_fused__to_copy_add_addcmul_clamp_div_sigmoid_stack_sum_transpose_view_49", "elementwise/fused"),
+        ("void at::native::batched_transpose_kernel<float>", "copies/casts"),
     ],
 )
 def test_classify_kernel(name, group):

@@ -105,8 +105,12 @@ def test_fused_mhc_bf16_stream_on_cuda_is_as_accurate_as_the_cpu_path(compiled):
         return ((a.cpu().double() - b.double()).norm() / b.double().norm()).item()
 
     names = ["out", "dx"] + [f"{k}.{name}" for k, m in enumerate(gpu) for name, _ in m.named_parameters()]
+    table, failed = [], []
     for name, a, c, e in zip(names, got, cpu_path, exact):
         assert torch.isfinite(a).all(), name
-        assert rel(a, e) <= 1.5 * rel(c, e) + 2e-3, (name, rel(a, e), rel(c, e))
+        table.append(f"{name}: cuda {rel(a, e):.2e} cpu {rel(c, e):.2e}")
+        if rel(a, e) > 1.5 * rel(c, e) + 2e-3:
+            failed.append(name)
+    assert not failed, f"{failed} (error vs float64 of every tensor: {'; '.join(table)})"
     if not compiled:
         assert rel(got[0], cpu_path[0]) < 5e-3

@@ -108,7 +108,21 @@ def test_split_bf16_path_error_vs_float64(emulated_tensor_cores, a_dtype, b_dtyp
     check_split_bf16_error(a_dtype, b_dtype, out_dtype, "cpu", (512, 1024, 48))
 
 
-def check_split_bf16_error(a_dtype: str, b_dtype: str, out_dtype: str, device: str, shape_MKN: tuple) -> None:
+def test_split_fp32_pair_runs_two_fp32_operands_on_the_split_path(emulated_tensor_cores, monkeypatch):
+    """Two fp32 operands for an fp32 result: exact fp32 by default; `split_fp32_pair` puts them on the tensor-core
+    path (both split, 3 bf16 products) within the same 2e-5 of the spread."""
+    calls = []
+    mm = projection.mm_fp32_out
+    monkeypatch.setattr(projection, "mm_fp32_out", lambda a, b: calls.append(1) or mm(a, b))
+    check_split_bf16_error("fp32", "fp32", "fp32", "cpu", (512, 1024, 48))
+    assert not calls  # the default stays exact fp32 (no bf16 product)
+    check_split_bf16_error("fp32", "fp32", "fp32", "cpu", (512, 1024, 48), split_fp32_pair=True)
+    assert calls
+
+
+def check_split_bf16_error(
+    a_dtype: str, b_dtype: str, out_dtype: str, device: str, shape_MKN: tuple, split_fp32_pair: bool = False
+) -> None:
     """matmul_fp32 of random [M, K] x [K, N] operands in the given dtypes against float64: max error under 2e-5
     of the output's spread for an fp32 result, within 1.5x bf16 rounding for a bf16 one (also run on CUDA by
     tests/layers/test_mhc_gpu.py with the real tensor-core kernels)."""
@@ -118,7 +132,7 @@ def check_split_bf16_error(a_dtype: str, b_dtype: str, out_dtype: str, device: s
     a = (torch.randn(M, K, device=device) + 1e-3).to(dt[a_dtype])
     b = (torch.randn(K, N, device=device) * 0.02).to(dt[b_dtype])
     want = a.double() @ b.double()
-    got = matmul_fp32(a, b, out_dtype=dt[out_dtype])
+    got = matmul_fp32(a, b, out_dtype=dt[out_dtype], split_fp32_pair=split_fp32_pair)
     assert got.dtype == dt[out_dtype]
     err = ((got.double() - want).abs().max() / want.std()).item()
     if out_dtype == "bf16":
