@@ -22,10 +22,11 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float64 else t.float()
 
 
-def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t in `dtype`, without a no-op `.to`: torch 2.11's dynamo gives wrong gradients for an autograd.Function
-    whose forward returns a same-dtype `.to()` of an intermediate (fp32 inputs; fixed in later torch)."""
-    return t if t.dtype == dtype else t.to(dtype)
+def function_output(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype` as a tensor distinct from t: the cast, or a copy when the dtype already matches. torch 2.11
+    computes wrong gradients under torch.compile for an autograd.Function that returns an intermediate unchanged
+    (a same-dtype `.to()` of it, or a tensor it also saved for backward); torch 2.13 is correct."""
+    return t.to(dtype) if t.dtype != dtype else t.clone()
 
 
 # ----------------------------------------------------------------------------------------- RMSNorm
@@ -54,8 +55,8 @@ class RMSNormFn(torch.autograd.Function):
         y32, rstd_N1 = rms_forward_math(h_ND, weight32_D, eps)
         ctx.save_for_backward(h_ND, weight32_D, rstd_N1)
         ctx.has_residual = residual_ND is not None
-        y = cast(y32, x_ND.dtype)
-        return (y, h_ND) if ctx.has_residual else y
+        y = function_output(y32, x_ND.dtype)
+        return (y, function_output(h_ND, h_ND.dtype)) if ctx.has_residual else y  # h_ND is saved too
 
     @staticmethod
     def backward(ctx, dy_ND, *maybe_dh):
@@ -143,7 +144,7 @@ class PolyNormFn(torch.autograd.Function):
             p = p * upcast(up_ND)
         if valid_N1 is not None:
             p = torch.where(valid_N1, p, 0.0)
-        out = cast(p, x_ND.dtype)
+        out = function_output(p, x_ND.dtype)
         if output_scale != 1.0:
             out = out * output_scale  # after the down-cast (model-spec §1.1 "order matters")
         ctx.save_for_backward(x_ND, up_ND, weight32_E3, bias32_E1, offs_E, rstd_N3)

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from llm_training.autograd_output import function_output
 from llm_training.distributed.block_attention import BlockKernel, merge_partials
 from llm_training.distributed.cp_sharding import SequenceLayout
 
@@ -98,7 +99,7 @@ class _RingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, document_ids)
         ctx.scale, ctx.layout, ctx.group, ctx.block_kernel, ctx.chunk = scale, layout, group, block_kernel, chunk
         ctx.mark_non_differentiable(best)
-        return out.to(q.dtype), best
+        return function_output(out, q.dtype), best  # out is saved for backward too
 
     @staticmethod
     def backward(ctx, d_out, _d_best):

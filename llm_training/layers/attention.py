@@ -16,9 +16,10 @@ from typing import Optional
 import torch
 from torch import nn
 
+from llm_training.autograd_output import function_output
 from llm_training.layers.attention_backends import AttentionMetadata, build_attention_metadata, get_attention_backend
 from llm_training.layers.norms import RMSNorm
-from llm_training.layers.projection import Fp32Projection, cast
+from llm_training.layers.projection import Fp32Projection
 from llm_training.layers.rope import RotaryEmbedding, apply_rope_interleaved
 
 
@@ -149,7 +150,7 @@ class _GroupedDifferential(torch.autograd.Function):
     def forward(ctx, out, lam, gate_logits):
         ctx.save_for_backward(out, lam, gate_logits)
         _, y, gate = _GroupedDifferential._parts(out, lam, gate_logits)
-        return cast(y if gate is None else y * gate, out.dtype)
+        return function_output(y if gate is None else y * gate, out.dtype)
 
     @staticmethod
     def backward(ctx, grad_BSGRD):

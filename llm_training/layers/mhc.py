@@ -41,7 +41,8 @@ from torch.utils.checkpoint import checkpoint
 
 from llm_training.layers import projection
 from llm_training.layers.norms import RMSNorm
-from llm_training.layers.projection import Fp32Projection, cast, matmul_fp32
+from llm_training.autograd_output import function_output
+from llm_training.layers.projection import Fp32Projection, matmul_fp32
 
 _SIGMOID_ARG_CLAMP = 10.0
 _SINKHORN_EXP_CLAMP = 20.0
@@ -175,7 +176,7 @@ def _collapse(x_BSnH: torch.Tensor, h_BSn: torch.Tensor) -> torch.Tensor:
     acc = h_BSn[..., 0, None] * x_BSnH[..., 0, :]
     for i in range(1, x_BSnH.shape[-2]):
         acc = torch.addcmul(acc, h_BSn[..., i, None], x_BSnH[..., i, :])  # one op per term in eager mode
-    return cast(acc, x_BSnH.dtype)
+    return function_output(acc, x_BSnH.dtype)
 
 
 def _mix(
@@ -194,7 +195,7 @@ def _mix(
             acc = torch.addcmul(acc, h_BSnn[..., i, j, None], x_BSnH[..., j, :])
         if y_BSH is not None:
             acc = torch.addcmul(acc, h_post_BSn[..., i, None], y_BSH)
-        rows.append(cast(acc, out_dtype or x_BSnH.dtype))
+        rows.append(acc.to(out_dtype or x_BSnH.dtype))
     return torch.stack(rows, dim=-2)
 
 

@@ -44,13 +44,6 @@ def _bf16_parts(t: torch.Tensor) -> list[torch.Tensor]:
     return [hi, (t - hi).to(torch.bfloat16)]
 
 
-def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t in `dtype`, without a no-op `.to`: torch 2.11's dynamo gives wrong gradients for an autograd.Function
-    whose forward returns a same-dtype `.to()` of an intermediate (fp32 models; fixed in later torch). The
-    autograd Functions of the layers return their casts through this."""
-    return t if t.dtype == dtype else t.to(dtype)
-
-
 def on_tensor_cores(t: torch.Tensor) -> bool:
     """Whether `t` takes the bf16 tensor-core paths (CUDA). The CPU tests emulate those paths by patching this
     and the two `*_fp32_out` products below."""

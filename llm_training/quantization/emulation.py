@@ -28,6 +28,8 @@ from collections.abc import Callable
 
 import torch
 
+from llm_training.autograd_output import function_output
+
 E4M3_MAX = 448.0
 AMAX_EPS = 1e-12
 MX_BLOCK = 32
@@ -117,7 +119,7 @@ class _EmulatedLinear(torch.autograd.Function):
     def forward(ctx, x_NK, w_OK, scheme: Scheme, hp_weight_grad: bool):
         ctx.save_for_backward(x_NK, w_OK)
         ctx.scheme, ctx.hp_weight_grad = scheme, hp_weight_grad
-        return (scheme.act(x_NK, 1) @ scheme.weight(w_OK, 1).t()).to(x_NK.dtype)
+        return function_output(scheme.act(x_NK, 1) @ scheme.weight(w_OK, 1).t(), x_NK.dtype)
 
     @staticmethod
     def backward(ctx, g_NO):
