@@ -125,10 +125,12 @@ def check_first_loss(name: str, ce_loss: float, vocab: int) -> None:
 def time_steps(step_fn, make_step_input, steps: int, warmup: int, device: torch.device) -> dict:
     """Run `warmup + steps` calls of `step_fn(make_step_input(i))` and time each one (CUDA events on a GPU, wall
     clock on the CPU). Returns the first call's wall seconds (compilation included: the first-step time),
-    the timed steps' seconds (after warm-up), and the first call's result."""
+    the timed steps' seconds (after warm-up), and the first call's result. Prints a line as each step starts and
+    ends (a benchmark killed by a timeout then shows how far it got, e.g. still in the first, compiling, step)."""
     on_cuda = device.type == "cuda"
     times_s, first_step_s, first = [], None, None
     for i in range(steps + warmup):
+        print(f"[time_steps] step {i + 1}/{steps + warmup} starts{' (compiles)' if i == 0 else ''}", flush=True)
         step_input = make_step_input(i)
         wall = time.perf_counter()
         if on_cuda:
@@ -139,6 +141,7 @@ def time_steps(step_fn, make_step_input, steps: int, warmup: int, device: torch.
             end.record()
             torch.cuda.synchronize()
         wall = time.perf_counter() - wall
+        print(f"[time_steps] step {i + 1}/{steps + warmup} took {wall:.1f} s", flush=True)
         if i == 0:
             first_step_s, first = wall, result
         if i >= warmup:
