@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from cuda_timing import cuda_time_ms
 from torch.utils.checkpoint import checkpoint
 
-from llm_training.layers.mhc import MHC, StreamSource, sinkhorn
+from llm_training.layers.mhc import MHC, StreamSource
+from llm_training.layers.sinkhorn import sinkhorn
 from llm_training.layers.projection import Fp32Projection
 
 N_STREAMS, HIDDEN, SEQ = 4, 4096, 4096

@@ -23,7 +23,9 @@ fused pre/post work, recompute in backward):
     stream exist at most one stream ([..., H]) wide at a time in eager mode, and under torch.compile only in
     the registers of fused kernels.
   * The coefficient math on the [2n + n^2] projections (sigmoids, 20 Sinkhorn steps) is checkpointed: it
-    keeps only its fp32 input, not the Sinkhorn iterates.
+    keeps only its fp32 input, not the Sinkhorn iterates. On CUDA the Sinkhorn steps are one fused Triton
+    kernel each way (`layers.sinkhorn`: an op torch.compile does not trace, whose backward recomputes the
+    iterates in registers), which keeps about half of the nodes out of a compiled block's graph.
   * Recompute of the mid-block stream: the stream after the attention update, X1 = mix(X0, H_res, h_post, y),
     is NOT saved: the FFN sub-layer's Functions get its `StreamSource` (X0 and the attention update's
     coefficients and output, which that update keeps anyway) and rebuild X1 in their backward. A block then
@@ -43,25 +45,10 @@ from llm_training.layers import projection
 from llm_training.layers.norms import RMSNorm
 from llm_training.autograd_output import function_output
 from llm_training.layers.projection import Fp32Projection, matmul_fp32
+from llm_training.layers.sinkhorn import sinkhorn
 
 _SIGMOID_ARG_CLAMP = 10.0
-_SINKHORN_EXP_CLAMP = 20.0
-_SINKHORN_FLOOR = 1e-8
 _BACKWARD_CHUNK = 1 << 26  # fp32 elements of the projection's dx computed at a time (256 MiB)
-
-
-def sinkhorn(logits_NN: torch.Tensor, iters: int) -> torch.Tensor:
-    """exp(clamp(Z, +-20)) then `iters` x {divide rows by max(rowsum, 1e-8); same for columns}, fp32 (or
-    float64 for float64 input)."""
-    m = torch.exp(
-        logits_NN.to(torch.promote_types(logits_NN.dtype, torch.float32)).clamp(
-            -_SINKHORN_EXP_CLAMP, _SINKHORN_EXP_CLAMP
-        )
-    )
-    for _ in range(iters):
-        m = m / m.sum(dim=-1, keepdim=True).clamp_min(_SINKHORN_FLOOR)
-        m = m / m.sum(dim=-2, keepdim=True).clamp_min(_SINKHORN_FLOOR)
-    return m
 
 
 class StreamSource(NamedTuple):

@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from llm_training.layers.mhc import MHC, StreamSource, _StreamNormProjection, sinkhorn
+from llm_training.layers.mhc import MHC, StreamSource, _StreamNormProjection
+from llm_training.layers.sinkhorn import sinkhorn
 from llm_training.layers.rope import build_rotary_embeddings
 from llm_training.motif import get_flavor
 from llm_training.motif.activation_memory import PerToken, mhc_sublayer_terms
