@@ -159,44 +159,28 @@ def bench_layers(tiny: bool, repeats: int) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------- train step
 def bench_step(recipe: str, tiny: bool, steps: int, warmup: int) -> dict:
+    """Median train-step time of the real Trainer (bench_train.build_trainer, full recompute) under `recipe`."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench_train import random_batch
-
-    from llm_training.trainer import Trainer
+    from bench_train import build_trainer, time_steps, train_step_on_random_data
 
     flavor, seq, batch = ("motif3_debug", 256, 2) if tiny else ("motif3_proxy", 4096, 2)
-    cfg = ConfigManager().parse_args([
-        "--job.config_file", DEBUG_TOML, "--job.dump_folder=/tmp/bench_quant", f"--job.run_name=step_{recipe}",
-        f"--model.flavor={flavor}", "--training.device=cuda", "--training.mixed_precision_param=bfloat16",
-        f"--training.seq_len={seq}", f"--training.local_batch_size={batch}", f"--training.steps={steps + warmup}",
-        "--checkpoint.enable=false", "--activation_checkpoint.mode=full", "--metrics.save_jsonl=false",
-        "--lr_scheduler.warmup_steps=1", f"--quantize.recipe={recipe}",
-    ])  # fmt: skip
-    dims = ParallelDims(1, -1, 1, 1, 1)
-    device, _ = setup_distributed(cfg.training.device, dims)
-    trainer = Trainer(cfg, dims, device)
+    trainer = build_trainer(flavor, seq, batch, ac="full", dump="/tmp/bench_quant", steps=steps + warmup,
+                            quantize=recipe)  # fmt: skip
     converted = len(trainer.converters[0].converted) if trainer.converters else 0
     gen = torch.Generator().manual_seed(0)
     vocab = get_flavor(flavor).vocab_size
     torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for i in range(steps + warmup):
-        mb = random_batch(batch, seq, vocab, gen)
-        trainer.train_state.step = i + 1
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        rec = trainer.train_step([mb])
-        end.record()
-        torch.cuda.synchronize()
-        losses.append(rec.loss)
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    del trainer
+
+    def step(i: int, trainer=trainer):
+        return train_step_on_random_data(trainer, 1, batch, seq, vocab, gen, i)
+
+    timed = time_steps(step, lambda i: i, steps, warmup, torch.device("cuda"))
+    del step, trainer  # free the model before the next recipe's
     torch.cuda.empty_cache()
-    ms = statistics.median(times)
+    ms = statistics.median(timed["times_s"]) * 1e3
     return {
         "flavor": flavor, "recipe": recipe, "seq_len": seq, "batch": batch, "converted_modules": converted,
-        "step_ms": ms, "tokens_per_s": batch * seq / ms * 1e3, "first_loss": losses[0],
+        "step_ms": ms, "tokens_per_s": batch * seq / ms * 1e3, "first_loss": timed["first"].loss,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
     }  # fmt: skip
 
