@@ -41,9 +41,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from llm_training.autograd_output import function_output
 from llm_training.layers import projection
 from llm_training.layers.norms import RMSNorm
-from llm_training.autograd_output import function_output
 from llm_training.layers.projection import Fp32Projection, matmul_fp32
 from llm_training.layers.sinkhorn import sinkhorn
 

@@ -40,7 +40,8 @@ def test_quantize_recipes_add_our_systems_under_each_recipe():
         "ours@accum", "ours_nomtp+adamw@accum", "ours+fp8_rowwise@accum", "ours_nomtp+adamw+fp8_rowwise@accum",
         "torchtitan@accum",
     ]  # fmt: skip
-    assert bvt.build_cases("ours_nomtp+adamw+fp8_rowwise@accum", "proxy", 6, 2, ["adamw"], recipes=("fp8_rowwise",))
+    one = bvt.build_cases("ours_nomtp+adamw+fp8_rowwise@accum", "proxy", 6, 2, ["adamw"], recipes=("fp8_rowwise",))
+    assert [(c.name, c.recipe) for c in one] == [("ours_nomtp+adamw+fp8_rowwise@accum", "fp8_rowwise")]
 
 
 def test_low_precision_rows_are_also_compared_with_bf16():

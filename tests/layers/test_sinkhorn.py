@@ -19,10 +19,11 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
-def test_cpu_inputs_take_the_reference():
+def test_only_fp32_cuda_inputs_take_the_kernels():
     z = torch.randn(5, 4, 4)
-    assert not S.uses_kernels(z)
-    torch.testing.assert_close(S.sinkhorn(z, 20), S.sinkhorn_reference(z, 20))
+    assert not S.uses_kernels(z) and not S.uses_kernels(z.double())
+    if torch.cuda.is_available():
+        assert S.uses_kernels(z.cuda()) == HAS_TRITON and not S.uses_kernels(z.cuda().double())
 
 
 @pytest.mark.gpu
