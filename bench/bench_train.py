@@ -14,6 +14,7 @@ Writes bench/results/bench_train.json (or --out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -126,7 +127,10 @@ def time_steps(step_fn, make_step_input, steps: int, warmup: int, device: torch.
     """Run `warmup + steps` calls of `step_fn(make_step_input(i))` and time each one (CUDA events on a GPU, wall
     clock on the CPU). Returns the first call's wall seconds (compilation included: the first-step time),
     the timed steps' seconds (after warm-up), and the first call's result. Prints a line as each step starts and
-    ends (a benchmark killed by a timeout then shows how far it got, e.g. still in the first, compiling, step)."""
+    ends (a benchmark killed by a timeout then shows how far it got, e.g. still in the first, compiling, step), and
+    every 30 s of the first step the compile phases finished so far (`compile_progress`)."""
+    from llm_training.distributed.compile import compile_progress
+
     on_cuda = device.type == "cuda"
     times_s, first_step_s, first = [], None, None
     for i in range(steps + warmup):
@@ -136,7 +140,8 @@ def time_steps(step_fn, make_step_input, steps: int, warmup: int, device: torch.
         if on_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        result = step_fn(step_input)
+        with compile_progress(lambda line: print(line, flush=True)) if i == 0 else contextlib.nullcontext():
+            result = step_fn(step_input)
         if on_cuda:
             end.record()
             torch.cuda.synchronize()

@@ -13,6 +13,11 @@ model never falls back to eager silently.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+
 import torch
 from torch import nn
 
@@ -33,6 +38,51 @@ def reset_compile_stats() -> None:
     """Forget everything dynamo compiled and counted (`torch._dynamo.reset()`): the start of a measurement."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+
+
+# compile phases of `torch._dynamo.utils.compilation_time_metrics` worth reporting, as (label, metric name): the
+# forward (dynamo trace + AOT + inductor, all inside `_compile.compile_inner`) and the backward (compiled lazily at
+# the first backward), and the parts that dominate them. The parts nest, so they do not add up to the totals.
+_COMPILE_PHASES = (
+    ("total_forward_s", "_compile.compile_inner"),
+    ("total_backward_s", "backward._backward_impl"),
+    ("dynamo_trace_s", "bytecode_tracing"),
+    ("aot_joint_trace_s", "aot_trace_joint_graph"),
+    ("aot_partition_s", "min_cut_rematerialization_partition"),
+    ("inductor_lowering_s", "GraphLowering.run"),
+    ("inductor_scheduler_s", "Scheduler.__init__"),
+    ("inductor_codegen_s", "Scheduler.codegen"),
+    ("kernel_compile_wait_s", "async_compile.wait"),
+)
+
+
+def compile_time_breakdown() -> dict[str, float]:
+    """Seconds spent so far in each of `_COMPILE_PHASES` (phases finished so far; a phase still running is not
+    counted yet), summed over every compiled graph since the last `reset_compile_stats`."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {label: round(sum(compilation_time_metrics.get(name, ())), 2) for label, name in _COMPILE_PHASES}
+
+
+@contextlib.contextmanager
+def compile_progress(log: Callable[[str], None], interval_s: float = 30.0) -> Iterator[None]:
+    """While the body runs (a first, compiling step), every `interval_s` seconds `log` one line: seconds so far and
+    the compile phases finished so far, so a long compile shows where it is instead of looking hung."""
+    done = threading.Event()
+    start = time.perf_counter()
+
+    def report() -> None:
+        while not done.wait(interval_s):
+            phases = ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in compile_time_breakdown().items() if v)
+            log(f"[compile] {time.perf_counter() - start:.0f} s into the first step; finished so far: {phases or '-'}")
+
+    thread = threading.Thread(target=report, name="compile-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def compile_stats(max_reasons: int = 8) -> dict:
@@ -56,6 +106,7 @@ def compile_stats(max_reasons: int = 8) -> dict:
         "graph_breaks": int(sum(utils.counters["graph_break"].values())),
         "recompiles": int(sum(max(n - 1, 0) for n in compiles_per_frame.values())),
         "guard_failures": reasons[:max_reasons],
+        "compile_time_s": compile_time_breakdown(),
         "graph_break_reasons": [
             f"{n}x {' '.join(reason.split())[:300]}"
             for reason, n in utils.counters["graph_break"].most_common(max_reasons)

@@ -159,7 +159,10 @@ def flex_attention_kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, re
 
     block_mask = metadata.flex_block_mask(window)
     fn = flex_attention
-    if q_BSHD.is_cuda:
+    # Inside a compiled block dynamo fuses flex_attention itself. Eager CUDA calls go through one compiled wrapper;
+    # the wrapper is never touched while compiling (a module global read there would be guarded, and creating it
+    # after the first block compiled would recompile that block).
+    if q_BSHD.is_cuda and not torch.compiler.is_compiling():
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex

@@ -67,6 +67,15 @@ class ParallelizedModel:
     fsdp: bool
     sync_replicated_grads: Callable[[], None] = lambda: None
     context_parallel: Optional[ContextParallelSplit] = None
+    # FSDP2 shards over ONE rank (one GPU, or HSDP with dp_shard = 1): its per-micro-batch reduce-scatter is only
+    # copies (bf16 grads into an fp32 buffer, the "scatter", an add into the sharded grads: ~150 ms of a 64K-token
+    # step of motif3_proxy on one H200), so gradients accumulate unsharded in fp32 and are reduced once per step
+    defer_grad_sync: bool = False
+
+    def set_gradient_sync(self, last_micro_batch: bool) -> None:
+        """Before each micro-batch's backward: whether this backward reduces the gradients (the last one does)."""
+        if self.defer_grad_sync:
+            self.model.set_requires_gradient_sync(last_micro_batch)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -130,4 +139,10 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
         if expert_fp32:
             sum_expert_grads(model, expert_fp32, expert_mesh)
 
-    return ParallelizedModel(model, fsdp=True, sync_replicated_grads=sync_replicated_grads, context_parallel=cp_split)
+    return ParallelizedModel(
+        model,
+        fsdp=True,
+        sync_replicated_grads=sync_replicated_grads,
+        context_parallel=cp_split,
+        defer_grad_sync=mesh["dp_shard_cp"].size() == 1,
+    )

@@ -19,7 +19,9 @@ GEMM in fp32 (`mm(..., out_dtype=float32)`, fp32 accumulation, no bf16 logits an
 chunk's weight gradient is accumulated into the fp32 buffer by the GEMM itself (`baddbmm(acc, g^T, h,
 out_dtype=float32, out=acc)`: C = acc, beta = 1), with no per-chunk bf16 product, fp32 cast copy or `+=`.
 Where torch lacks those mixed-dtype GEMMs (CPU, or a torch whose CUDA build rejects them; probed once per
-device) the chunk falls back to a bf16 GEMM, a cast and an fp32 add.
+device) the chunk falls back to a bf16 GEMM, a cast and an fp32 add. Between the GEMMs, a chunk's CE and its
+weighted logit gradient come from one Triton kernel on CUDA (`cross_entropy_kernels`: two fp32 reads and one
+bf16 write of the chunk), from torch code elsewhere.
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import importlib.util
+
 import torch
 
 IGNORE_INDEX = -100
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Elements of one fp32 logits chunk (chunk_tokens x vocab): 2^28 = 1 GiB. Large chunks keep the number of
 # per-chunk [V, H] weight-gradient updates (a full pass over a [V, H] buffer each) small.
 _DEFAULT_CHUNK_ELEMENTS = 1 << 28
@@ -74,7 +79,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_TH, weight_VH, labels_T, token_weight_T, segment_ends, chunk_tokens, compiled):
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        chunk_fn = _compiled_chunk_ce_and_grad() if compiled else _chunk_ce_and_grad
+        chunk_fn = _chunk_function(hidden_TH.device, compiled)
         mm_dtype = hidden_TH.dtype
         w_VH = weight_VH.to(mm_dtype)
         fp32_out = mm_dtype != torch.float32 and _fp32_out_gemms(hidden_TH.device)
@@ -143,6 +148,16 @@ def _chunk_ce_and_grad(logits_CV: torch.Tensor, y_C: torch.Tensor, w_C: torch.Te
     grad_CV = (logits_CV - lse_C[:, None]).exp_()  # softmax; the logits buffer is free after this
     grad_CV.scatter_add_(1, safe_y_C[:, None], -torch.ones_like(lse_C[:, None]))  # - onehot
     return ce_C, grad_CV.mul_((w_C * valid_C)[:, None]).to(grad_dtype)
+
+
+def _chunk_function(device: torch.device, compiled: bool):
+    """How a chunk's CE and logit gradient are computed: on CUDA with triton, one fused kernel
+    (`cross_entropy_kernels`); elsewhere the torch code, under torch.compile when `compiled`."""
+    if device.type == "cuda" and _HAS_TRITON:
+        from llm_training.trainer.cross_entropy_kernels import ce_chunk_and_grad
+
+        return functools.partial(ce_chunk_and_grad, ignore_index=IGNORE_INDEX)
+    return _compiled_chunk_ce_and_grad() if compiled else _chunk_ce_and_grad
 
 
 @functools.cache

@@ -18,6 +18,7 @@ Fault handling:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from llm_training.config import grad_accumulation_steps, to_toml
+from llm_training.distributed.compile import compile_progress
 from llm_training.distributed.utils import all_reduce_, clip_grad_norm_, rank, world_size
 from llm_training.model_spec import StepStat
 from llm_training.motif import param_counts, training_flops_per_token
@@ -307,7 +309,8 @@ class Trainer:
         balance_scale = 1.0 / (len(batches) * self.dp_size)
         parts = torch.zeros(4, dtype=torch.float64, device=self.device)  # total, ce, mtp, balance
         stats: dict[str, StepStat] = {}
-        for cpu_batch, full_batch in zip(batches, full_batches):
+        for k, (cpu_batch, full_batch) in enumerate(zip(batches, full_batches)):
+            self.parallel.set_gradient_sync(last_micro_batch=k == len(batches) - 1)
             b: PreparedBatch = cpu_batch.map(lambda x: x.to(self.device, non_blocking=True))
             attention_docs = None if cp is None else full_batch.document_ids.to(self.device, non_blocking=True)
             out = self.model(
@@ -408,8 +411,11 @@ class Trainer:
                 step = self.train_state.step
                 t0 = time.perf_counter()
                 micro_batches = [next(data) for _ in range(self.accum)]
+                # the first step of a run compiles (minutes at full size): report its progress on rank 0
+                compiling = c.compile.enable and step == start_step + 1 and self.rank == 0
                 try:
-                    rec = self.train_step(micro_batches)
+                    with compile_progress(logger.info, 60.0) if compiling else contextlib.nullcontext():
+                        rec = self.train_step(micro_batches)
                 except torch.OutOfMemoryError as e:
                     raise torch.OutOfMemoryError(
                         f"out of memory at step {step}: {OOM_HINT}. Original error: {e}"

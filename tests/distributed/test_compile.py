@@ -2,11 +2,12 @@
 computes the eager model's loss and gradients."""
 
 import copy
+import time
 
 import pytest
 import torch
 
-from llm_training.distributed.compile import apply_compile, compile_stats, reset_compile_stats
+from llm_training.distributed.compile import apply_compile, compile_progress, compile_stats, reset_compile_stats
 from llm_training.motif import get_flavor
 from llm_training.motif.model import Motif3Model
 from llm_training.motif.parallelize import blocks
@@ -89,3 +90,32 @@ def test_compile_stats_name_the_graph_break_reason():
     assert stats["graph_breaks"] == 1, stats
     assert len(stats["graph_break_reasons"]) == 1 and stats["graph_break_reasons"][0].startswith("1x "), stats
     assert "graph_break" in stats["graph_break_reasons"][0], stats
+
+
+def test_compile_time_breakdown_counts_the_forward_and_backward_compiles():
+    class Sine(torch.nn.Module):  # a frame of ours (dynamo does not compile torch.nn's own forwards at top level)
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x).sin()
+
+    reset_compile_stats()
+    mod = Sine()
+    apply_compile([mod], backend="aot_eager")
+    assert all(v == 0 for v in compile_stats()["compile_time_s"].values())
+    mod(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    times = compile_stats()["compile_time_s"]
+    assert times["total_forward_s"] > 0 and times["dynamo_trace_s"] > 0 and times["aot_joint_trace_s"] > 0, times
+    assert times["dynamo_trace_s"] <= times["total_forward_s"], times
+
+
+def test_compile_progress_logs_while_the_body_runs_and_stops_after():
+    lines: list[str] = []
+    with compile_progress(lines.append, interval_s=0.05):
+        time.sleep(0.3)
+    n = len(lines)
+    time.sleep(0.15)
+    assert n >= 2 and len(lines) == n, lines  # reported during the body, silent once it ended
+    assert all(ln.startswith("[compile] ") and "into the first step" in ln for ln in lines), lines

@@ -4,7 +4,8 @@ synthetic global batches (4 packed rows of 64 tokens per step, documents crossin
 boundaries and sliding-window layers reaching across them), each data rank taking its rows of them, and reports
 the global loss of every step.
 
-Layouts: 1 process | FSDP 2 | EP 2 | FSDP 2 x EP 2 (4 ranks) | Ulysses CP 2 | ring CP 2 | EP 2 x CP 2 (4 ranks).
+Layouts: 1 process | FSDP 2 | HSDP 2 x 1 (gradients reduced on the last micro-batch only) | EP 2 | FSDP 2 x EP 2
+(4 ranks) | Ulysses CP 2 | ring CP 2 | EP 2 x CP 2 (4 ranks).
 
 Tolerance: 1e-6 relative on every step's loss (measured: at most 5e-8; 1-8 of the 10 steps bitwise equal). Not
 bitwise: the layouts sum the same numbers in another order (FSDP2's reduce-scatter of gradients, the loss
@@ -40,6 +41,7 @@ DOC_STARTS = ([0, 13, 30, 45], [0, 20, 50], [0, 7, 40, 60], [0, 33])
 LAYOUTS = {  # name -> (world size, ParallelDims degrees, context_parallel_mode, activation_checkpoint mode)
     "single": (1, dict(dp_replicate=1, dp_shard=-1, cp=1, ep=1), "ulysses", "none"),
     "fsdp2": (2, dict(dp_replicate=1, dp_shard=-1, cp=1, ep=1), "ulysses", "none"),
+    "replicate2": (2, dict(dp_replicate=2, dp_shard=1, cp=1, ep=1), "ulysses", "none"),
     "ep2": (2, dict(dp_replicate=1, dp_shard=-1, cp=1, ep=2), "ulysses", "none"),
     "fsdp2_ep2": (4, dict(dp_replicate=1, dp_shard=-1, cp=1, ep=2), "ulysses", "none"),
     "ulysses_cp2": (2, dict(dp_replicate=1, dp_shard=1, cp=2, ep=1), "ulysses", "none"),
@@ -119,7 +121,8 @@ def _worker(rank, world, port, layout, dump_folder, out_file, save_step, resume,
                 trainer._save(blocking=True)
                 export()
         if rank == 0:
-            torch.save({"losses": losses, "qk_clip_events": qk_clip_events}, out_file)
+            result = {"losses": losses, "qk_clip_events": qk_clip_events}
+            torch.save({**result, "defer_grad_sync": trainer.parallel.defer_grad_sync}, out_file)
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
         if dist.is_initialized():
@@ -154,9 +157,12 @@ def _assert_same_losses(result, reference, layout):
     assert result["qk_clip_events"] == reference["qk_clip_events"] > 0, (layout, result, reference)
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "ep2", "ulysses_cp2", "ring_cp2"])
+@pytest.mark.parametrize("layout", ["fsdp2", "replicate2", "ep2", "ulysses_cp2", "ring_cp2"])
 def test_layout_losses_equal_one_process(layout, single_process, tmp_path, free_port):
-    _assert_same_losses(run_layout(layout, tmp_path, free_port), single_process, layout)
+    result = run_layout(layout, tmp_path, free_port)
+    _assert_same_losses(result, single_process, layout)
+    # FSDP2 over one rank per shard group (HSDP 2 x 1): gradients reduced once per step, on the last micro-batch
+    assert result["defer_grad_sync"] == (layout == "replicate2"), layout
 
 
 @pytest.mark.parametrize("layout", ["fsdp2_ep2", "ep2_cp2"])

@@ -1,0 +1,78 @@
+"""trainer/cross_entropy_kernels.py: the fused loss-chunk kernel (run by the Triton interpreter on the CPU,
+TRITON_INTERPRET=1, or on CUDA) gives the torch chunk code's CE and weighted logit gradient, on ignored rows,
+vocabularies that are not a multiple of its block, and extreme logits; the chunked loss picks it on CUDA only."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from llm_training.trainer import losses
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_kernel = pytest.mark.skipif(
+    not (HAS_TRITON and (torch.cuda.is_available() or INTERPRET)),
+    reason="needs triton and CUDA (or TRITON_INTERPRET=1 with triton)",
+)
+
+
+def test_the_kernel_is_the_cuda_path_only():
+    assert losses._chunk_function(torch.device("cpu"), compiled=False) is losses._chunk_ce_and_grad
+    if torch.cuda.is_available() and HAS_TRITON:
+        assert losses._chunk_function(torch.device("cuda"), compiled=False).func.__name__ == "ce_chunk_and_grad"
+
+
+@pytest.mark.gpu
+@needs_kernel
+@pytest.mark.parametrize("V", [5000, 4096, 130])
+def test_kernel_matches_the_torch_chunk_code(V):
+    from llm_training.trainer.cross_entropy_kernels import ce_chunk_and_grad
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    C = 7
+    logits = torch.randn(C, V, device=device) * 4
+    logits[1, 3] = 80.0  # one dominant logit: softmax saturates
+    logits[2] -= 1000.0  # a row far below zero: the online max must carry it
+    y = torch.randint(0, V, (C,), device=device)
+    y[1], y[4] = 5, losses.IGNORE_INDEX  # row 1's mass sits on a wrong class
+    w = torch.rand(C, device=device) + 0.5
+    ce_want, g_want = losses._chunk_ce_and_grad(logits.double().clone(), y, w.double(), torch.float64)
+    ce, g = ce_chunk_and_grad(logits, y, w, torch.bfloat16, losses.IGNORE_INDEX)
+    assert ce.dtype == torch.float32 and g.dtype == torch.bfloat16 and g.shape == (C, V)
+    torch.testing.assert_close(ce.double().cpu(), ce_want.cpu(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(g.double().cpu(), g_want.cpu(), atol=2e-3 * g_want.abs().max().item(), rtol=1e-2)
+    assert ce[4] == 0 and (g[4] == 0).all()  # the ignored row
+    assert g[1, 3] > 0.99 * w[1] and g[1, 5] < -0.99 * w[1]  # saturated: +w on the argmax, -w on the label
+    assert abs(g[0].double().sum().item()) < 1e-2 * w[0].item()  # softmax - onehot sums to ~0 per row
+
+
+@pytest.mark.gpu
+@needs_kernel
+def test_chunked_loss_with_the_kernel_gives_the_torch_path_loss_and_gradients(monkeypatch):
+    import functools
+
+    from llm_training.trainer.cross_entropy_kernels import ce_chunk_and_grad
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    T, H, V = 37, 16, 300
+    hidden = torch.randn(T, H, device=device)
+    weight = torch.randn(V, H, device=device) * 0.3
+    labels = torch.randint(0, V, (T,), device=device)
+    labels[::5] = losses.IGNORE_INDEX
+
+    def loss_and_grads():
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        total = losses.linear_cross_entropy_sum(h, w, labels, chunk_tokens=10)
+        total.backward()
+        return total.detach(), h.grad, w.grad
+
+    monkeypatch.setattr(losses, "_chunk_function", lambda device, compiled: losses._chunk_ce_and_grad)
+    want = loss_and_grads()
+    kernel = functools.partial(ce_chunk_and_grad, ignore_index=losses.IGNORE_INDEX)
+    monkeypatch.setattr(losses, "_chunk_function", lambda device, compiled: kernel)
+    for got, ref in zip(loss_and_grads(), want):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
