@@ -213,6 +213,12 @@ class Compile:
     components: list[str] = option(
         list(COMPILE_COMPONENTS), f"what to compile, from {', '.join(COMPILE_COMPONENTS)}", choices=COMPILE_COMPONENTS
     )
+    cache_folder: str = option(
+        "compile_cache",
+        "torch.compile's caches (compiled graphs, Triton kernels), relative to <dump_folder>/<run_name>/: a "
+        "restarted or resumed run reuses them instead of compiling again; empty: torch's default under /tmp, "
+        "lost with the container. TORCHINDUCTOR_CACHE_DIR, when set, wins",
+    )
 
 
 @dataclass

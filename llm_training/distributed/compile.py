@@ -14,9 +14,11 @@ model never falls back to eager silently.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,6 +34,21 @@ def apply_compile(blocks: list[nn.Module], backend: str = "inductor") -> None:
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILE_LIMIT)
     for block in blocks:
         block.compile(backend=backend)
+
+
+def use_compile_cache(folder: Path | None) -> str | None:
+    """Point torch.compile's on-disk caches (inductor's FX-graph and AOTAutograd caches, and under them the Triton
+    kernels) at `folder`, unless TORCHINDUCTOR_CACHE_DIR is set already (the environment wins) or `folder` is None
+    (torch's default under /tmp). A run restarted in the same run folder then loads its compiled blocks instead of
+    compiling them again; the caches are keyed on the graph, the torch version and the device, so a changed model
+    or config compiles anew, and ranks may share the folder. Returns the folder in use (None: torch's default)."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    if folder is None:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder.resolve())
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def reset_compile_stats() -> None:

@@ -41,7 +41,7 @@ case "$MODE" in
   check)
     step "gpu tests: optimizer (Muon CUDA) + loss (CUDA fp32-out GEMMs)" 75 pytest \
       "${PYTEST[@]}" optimizer/tests/test_muon_cuda.py \
-      tests/trainer/test_losses.py optimizer/tests/test_muon.py
+      tests/trainer/test_losses.py tests/trainer/test_cross_entropy_kernels.py optimizer/tests/test_muon.py
     step "PolyNorm saved-for-backward test" 30 pytest "${PYTEST[@]}" activations/tests/test_reference.py -k saves
     step "smoke bench_optimizer (motif3_debug)" 60 all \
       "$PY" bench/bench_optimizer.py --flavor motif3_debug --muon-flavor motif3_debug --repeats 2 --skip-ns-table \

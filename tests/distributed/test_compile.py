@@ -2,6 +2,7 @@
 computes the eager model's loss and gradients."""
 
 import copy
+import os
 import time
 
 import pytest
@@ -119,3 +120,18 @@ def test_compile_progress_logs_while_the_body_runs_and_stops_after():
     time.sleep(0.15)
     assert n >= 2 and len(lines) == n, lines  # reported during the body, silent once it ended
     assert all(ln.startswith("[compile] ") and "into the first step" in ln for ln in lines), lines
+
+
+def test_compile_cache_goes_to_the_run_folder_unless_the_environment_names_one(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, triton_cache_dir
+
+    from llm_training.distributed.compile import use_compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert use_compile_cache(None) is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    folder = tmp_path / "run" / "compile_cache"
+    assert use_compile_cache(folder) == str(folder.resolve()) and folder.is_dir()
+    assert cache_dir() == str(folder.resolve()) and triton_cache_dir(0).startswith(str(folder.resolve()))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_compile_cache(tmp_path / "other") == str(tmp_path / "mine") and not (tmp_path / "other").exists()

@@ -1,6 +1,6 @@
 """CUDA-only checks of the tensor-core fp32 paths: `matmul_fp32` / `Fp32Projection` (split-bf16 weights, fp32
 accumulation) against float64, router top-k stability with the real kernels, and the fused mHC Functions on a
-bf16 stream (eager and torch.compile) against the same code on the CPU in float64."""
+bf16 stream (eager and torch.compile) against float64, as accurate as the same CUDA code with exact fp32 math."""
 
 import pytest
 import torch
@@ -73,17 +73,28 @@ def _modules(n, H, device, dtype):
     return mods
 
 
+_SCALAR_GAIN_NOISE = 3e-2  # relative error vs float64 that the bf16 stream alone gives the alpha_* gradients
+
+
 @pytest.mark.parametrize("compiled", [False, True])
-def test_fused_mhc_bf16_stream_on_cuda_is_as_accurate_as_the_cpu_path(compiled):
-    """The bf16-stream CUDA run (tensor-core GEMMs, fp32 coefficients; eager or torch.compile) and the CPU path
-    (exact fp32 math, pinned against the plain formula by test_mhc.py) on the same bf16 inputs and fp32
-    parameters, each against float64 math: the CUDA run's error in the output, dx and every parameter gradient
-    is at most 1.5x the CPU path's plus 2e-3 (the bf16 stream itself makes a few cancellation-prone parameter
-    gradients differ by several % on both; torch.compile may also skip intermediate bf16 roundings). Eager:
-    CUDA and CPU round at the same points, so their outputs agree to 5e-3."""
+def test_fused_mhc_bf16_stream_on_cuda_is_as_accurate_as_exact_fp32(compiled, monkeypatch):
+    """The bf16-stream CUDA run with the fast paths (tensor-core split-bf16 GEMMs, the Sinkhorn kernels; eager or
+    torch.compile) against the same CUDA code with exact fp32 GEMMs and the reference Sinkhorn, each against
+    float64 math on the CPU: the fast run's error in the output, dx and every parameter gradient is at most 1.5x
+    the exact run's plus 2e-3. The baseline is the same device's exact run, not the CPU path: the bf16 stream
+    makes a few cancellation-prone coefficient gradients (bias_pre, alpha_post) differ by several % from float64
+    on both devices, and by up to 3x more on CUDA than on the CPU whatever the GEMM or Sinkhorn path
+    (scripts/device/diag_mhc_precision.py on the H200). The scalar gains (alpha_*: one sum over every token of a
+    cancelling product) are pure bf16 noise: on the H200 their error moved between 2e-5 and 2e-2 from one run to
+    the other in both directions (0.alpha_pre: fast 2.4e-5, exact 1.3e-2; 1.alpha_pre: fast 9.6e-3, exact
+    3.8e-3), so they are held to that noise level, 3e-2, not to the exact run's draw. Eager: CUDA and the CPU path
+    round at the same points, so their outputs agree to 5e-3."""
+    import llm_training.layers.projection as projection
+    import llm_training.layers.sinkhorn as sinkhorn
+
     n, H, B, S = 4, 1024, 2, 512
-    gpu, cpu, ref = (
-        _modules(n, H, d, t) for d, t in (("cuda", torch.float32), ("cpu", torch.float32), ("cpu", torch.float64))
+    fast, exact_fp32, ref = (
+        _modules(n, H, d, t) for d, t in (("cuda", torch.float32), ("cuda", torch.float32), ("cpu", torch.float64))
     )
     x = torch.randn(B, S, n, H, device="cuda").bfloat16()
     w = torch.rand(H, device="cuda").add(0.5).bfloat16()
@@ -96,21 +107,26 @@ def test_fused_mhc_bf16_stream_on_cuda_is_as_accurate_as_the_cpu_path(compiled):
         return [out, x.grad] + [p.grad for m in mods for p in m.parameters()]
 
     fn = torch.compile(_pair) if compiled else _pair
-    got = run(fn, gpu, x, w, g)
-    cpu_path = run(_pair, cpu, x.cpu(), w.cpu(), g.cpu())
+    got = run(fn, fast, x, w, g)
+    with monkeypatch.context() as m:
+        m.setattr(projection, "_use_split_bf16", lambda *a, **k: False)
+        m.setattr(sinkhorn, "_HAS_TRITON", False)
+        baseline = run(_pair, exact_fp32, x, w, g)
     exact = run(_pair, ref, x.cpu().double(), w.cpu().double(), g.cpu().double())
     assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.bfloat16
 
     def rel(a, b):
         return ((a.cpu().double() - b.double()).norm() / b.double().norm()).item()
 
-    names = ["out", "dx"] + [f"{k}.{name}" for k, m in enumerate(gpu) for name, _ in m.named_parameters()]
+    names = ["out", "dx"] + [f"{k}.{name}" for k, m in enumerate(fast) for name, _ in m.named_parameters()]
     table, failed = [], []
-    for name, a, c, e in zip(names, got, cpu_path, exact):
+    for name, a, c, e in zip(names, got, baseline, exact):
         assert torch.isfinite(a).all(), name
-        table.append(f"{name}: cuda {rel(a, e):.2e} cpu {rel(c, e):.2e}")
-        if rel(a, e) > 1.5 * rel(c, e) + 2e-3:
+        table.append(f"{name}: fast {rel(a, e):.2e} exact-fp32 {rel(c, e):.2e}")
+        bound = _SCALAR_GAIN_NOISE if a.numel() == 1 else 1.5 * rel(c, e) + 2e-3
+        if rel(a, e) > bound:
             failed.append(name)
     assert not failed, f"{failed} (error vs float64 of every tensor: {'; '.join(table)})"
     if not compiled:
-        assert rel(got[0], cpu_path[0]) < 5e-3
+        cpu_out = run(_pair, _modules(n, H, "cpu", torch.float32), x.cpu(), w.cpu(), g.cpu())[0]
+        assert rel(got[0], cpu_out) < 5e-3
