@@ -2,21 +2,11 @@
 on CUDA) match the reference projection and its autograd gradient, including clamped logits and n = 3 (padded to
 the next power of two); the reference is what every CPU path runs."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from llm_training.layers import sinkhorn as S
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# gpu: what `-m gpu` runs on the device; on the CPU the Triton interpreter runs them when asked for
-needs_kernels = pytest.mark.skipif(
-    not (HAS_TRITON and (torch.cuda.is_available() or INTERPRET)),
-    reason="needs triton and CUDA (or TRITON_INTERPRET=1 with triton)",
-)
+from tests.triton_kernels import HAS_TRITON, KERNEL_DEVICE, needs_triton_kernels
 
 
 def test_only_fp32_cuda_inputs_take_the_kernels():
@@ -27,10 +17,10 @@ def test_only_fp32_cuda_inputs_take_the_kernels():
 
 
 @pytest.mark.gpu
-@needs_kernels
+@needs_triton_kernels
 @pytest.mark.parametrize("n,iters", [(4, 20), (3, 5), (4, 1)])
 def test_kernels_match_the_reference_and_its_gradient(n, iters):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = KERNEL_DEVICE
     torch.manual_seed(0)
     T = 150  # not a multiple of the kernels' 64-token block
     z = torch.randn(T, n, n, device=device) * 3
@@ -48,9 +38,9 @@ def test_kernels_match_the_reference_and_its_gradient(n, iters):
 
 
 @pytest.mark.gpu
-@needs_kernels
+@needs_triton_kernels
 def test_kernel_op_traces_as_one_opaque_node_under_torch_compile():
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = KERNEL_DEVICE
     torch.manual_seed(0)
     z0 = torch.randn(70, 4, 4, device=device)
 

@@ -2,20 +2,11 @@
 TRITON_INTERPRET=1, or on CUDA) gives the torch chunk code's CE and weighted logit gradient, on ignored rows,
 vocabularies that are not a multiple of its block, and extreme logits; the chunked loss picks it on CUDA only."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from llm_training.trainer import losses
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_kernel = pytest.mark.skipif(
-    not (HAS_TRITON and (torch.cuda.is_available() or INTERPRET)),
-    reason="needs triton and CUDA (or TRITON_INTERPRET=1 with triton)",
-)
+from tests.triton_kernels import HAS_TRITON, KERNEL_DEVICE, needs_triton_kernels
 
 
 def test_the_kernel_is_the_cuda_path_only():
@@ -25,12 +16,12 @@ def test_the_kernel_is_the_cuda_path_only():
 
 
 @pytest.mark.gpu
-@needs_kernel
+@needs_triton_kernels
 @pytest.mark.parametrize("V", [5000, 4096, 130])
 def test_kernel_matches_the_torch_chunk_code(V):
     from llm_training.trainer.cross_entropy_kernels import ce_chunk_and_grad
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = KERNEL_DEVICE
     torch.manual_seed(0)
     C = 7
     logits = torch.randn(C, V, device=device) * 4
@@ -50,13 +41,13 @@ def test_kernel_matches_the_torch_chunk_code(V):
 
 
 @pytest.mark.gpu
-@needs_kernel
+@needs_triton_kernels
 def test_chunked_loss_with_the_kernel_gives_the_torch_path_loss_and_gradients(monkeypatch):
     import functools
 
     from llm_training.trainer.cross_entropy_kernels import ce_chunk_and_grad
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = KERNEL_DEVICE
     torch.manual_seed(0)
     T, H, V = 37, 16, 300
     hidden = torch.randn(T, H, device=device)
