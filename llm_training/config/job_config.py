@@ -211,7 +211,10 @@ COMPILE_COMPONENTS = ("model", "loss")
 class Compile:
     enable: bool = option(False, "torch.compile the components listed in components")
     components: list[str] = option(
-        list(COMPILE_COMPONENTS), f"what to compile, from {', '.join(COMPILE_COMPONENTS)}", choices=COMPILE_COMPONENTS
+        list(COMPILE_COMPONENTS),
+        f"what to compile, from {', '.join(COMPILE_COMPONENTS)}: the blocks; the chunked loss's softmax arithmetic "
+        "where triton is missing (on CUDA with triton the loss chunk is one Triton kernel either way)",
+        choices=COMPILE_COMPONENTS,
     )
     cache_folder: str = option(
         "compile_cache",

@@ -9,14 +9,12 @@ its nodes with 20 iterations), whose backward keeps only Z and recomputes the it
 __future__ import annotations` here: the op schemas are inferred from the annotations.)
 """
 
-import importlib.util
-
 import torch
+from activation.backend import TRITON_AVAILABLE as _HAS_TRITON  # probed once, never in compiled code
 from torch import Tensor
 
 _EXP_CLAMP = 20.0
 _FLOOR = 1e-8
-_HAS_TRITON = importlib.util.find_spec("triton") is not None  # decided at import, never probed in compiled code
 
 
 def sinkhorn_reference(logits_NN: Tensor, iters: int) -> Tensor:

@@ -29,12 +29,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import importlib.util
-
 import torch
+from activation.backend import TRITON_AVAILABLE
 
 IGNORE_INDEX = -100
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Elements of one fp32 logits chunk (chunk_tokens x vocab): 2^28 = 1 GiB. Large chunks keep the number of
 # per-chunk [V, H] weight-gradient updates (a full pass over a [V, H] buffer each) small.
 _DEFAULT_CHUNK_ELEMENTS = 1 << 28
@@ -153,7 +151,7 @@ def _chunk_ce_and_grad(logits_CV: torch.Tensor, y_C: torch.Tensor, w_C: torch.Te
 def _chunk_function(device: torch.device, compiled: bool):
     """How a chunk's CE and logit gradient are computed: on CUDA with triton, one fused kernel
     (`cross_entropy_kernels`); elsewhere the torch code, under torch.compile when `compiled`."""
-    if device.type == "cuda" and _HAS_TRITON:
+    if device.type == "cuda" and TRITON_AVAILABLE:
         from llm_training.trainer.cross_entropy_kernels import ce_chunk_and_grad
 
         return functools.partial(ce_chunk_and_grad, ignore_index=IGNORE_INDEX)

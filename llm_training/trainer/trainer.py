@@ -211,7 +211,7 @@ class Trainer:
             torch.manual_seed(t.seed)
             self.model.init_weights(buffer_device=self.device)
         if c.compile.enable:
-            cache = use_compile_cache(Path(c.run_folder) / c.compile.cache_folder if c.compile.cache_folder else None)
+            cache = use_compile_cache(c.run_folder / c.compile.cache_folder if c.compile.cache_folder else None)
             logger.info("torch.compile cache: %s", cache or "torch's default (under /tmp)")
         self.converters = apply_converters(self.model, c)  # low precision: before parallelization
         self.parallel = spec.parallelize(self.model, parallel_dims, c, self.device)

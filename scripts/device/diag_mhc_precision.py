@@ -1,41 +1,23 @@
-"""Diagnostic (device only, not a test): which CUDA path makes the fused mHC pair's `0.alpha_res` gradient ~10x
-less accurate than the CPU path (tests/layers/test_mhc_gpu.py)? Runs the test's pair under variants that switch
-one suspect off each, and prints every tensor's error vs float64."""
+"""Diagnostic (device only, not a test): does one of our CUDA fast paths make the fused mHC pair's coefficient
+gradients less accurate than the CPU path (tests/layers/test_mhc_gpu.py)? Runs the test's pair under variants that
+switch one suspect off each (cuBLAS reduced-precision reduction, the split-bf16 GEMMs, the Sinkhorn kernel) and
+prints every tensor's error vs float64. On the H200 (2026-12-02) every variant gave the same errors: none of them
+is the cause, which is why that test's baseline is the same device's exact-fp32 run.
+
+    PYTHONPATH=.:activations:optimizer python3 scripts/device/diag_mhc_precision.py
+"""
 
 import contextlib
+from unittest import mock
 
 import torch
 
-import llm_training.layers.projection as projection
-import llm_training.layers.sinkhorn as sinkhorn
-from tests.layers.test_mhc_gpu import _modules, _pair
-
-
-@contextlib.contextmanager
-def patched(obj, name, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
-
-
-@contextlib.contextmanager
-def no_reduced_reduction():
-    old = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = old
+from llm_training.layers import projection, sinkhorn
+from tests.layers.test_mhc_gpu import _modules, _pair, _rel, _run_pair
 
 
 def run(mods, x, w, g):
-    x = x.clone().requires_grad_()
-    out = _pair(mods[0], mods[1], x, w, w)
-    out.backward(g)
-    return [out, x.grad] + [p.grad for m in mods for p in m.parameters()]
+    return _run_pair(_pair, mods, x, w, g)
 
 
 def main():
@@ -50,14 +32,15 @@ def main():
     cpu_path = run(cpu, x.cpu(), w.cpu(), g.cpu())
     names = ["out", "dx"] + [f"{k}.{nm}" for k, m in enumerate(cpu) for nm, _ in m.named_parameters()]
 
-    def rel(a, b):
-        return ((a.cpu().double() - b.double()).norm() / b.double().norm()).item()
-
     variants = {
         "default": contextlib.nullcontext,
-        "no bf16 reduced-precision reduction": no_reduced_reduction,
-        "exact fp32 GEMMs (no split-bf16)": lambda: patched(projection, "_use_split_bf16", lambda *a, **k: False),
-        "Sinkhorn reference (no Triton kernel)": lambda: patched(sinkhorn, "_HAS_TRITON", False),
+        "no bf16 reduced-precision reduction": lambda: mock.patch.object(
+            torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False
+        ),
+        "exact fp32 GEMMs (no split-bf16)": lambda: mock.patch.object(
+            projection, "_use_split_bf16", lambda *a, **k: False
+        ),
+        "Sinkhorn reference (no Triton kernel)": lambda: mock.patch.object(sinkhorn, "_HAS_TRITON", False),
     }
     print(f"{'tensor':<18}{'cpu':>10}" + "".join(f"{v[:16]:>18}" for v in variants))
     cols = {}
@@ -66,8 +49,8 @@ def main():
             cols[label] = run(_modules(n, H, "cuda", torch.float32), x, w, g)
     for i, name in enumerate(names):
         print(
-            f"{name:<18}{rel(cpu_path[i], exact[i]):>10.2e}"
-            + "".join(f"{rel(cols[v][i], exact[i]):>18.2e}" for v in variants)
+            f"{name:<18}{_rel(cpu_path[i], exact[i]):>10.2e}"
+            + "".join(f"{_rel(cols[v][i], exact[i]):>18.2e}" for v in variants)
         )
 
 

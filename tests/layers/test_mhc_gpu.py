@@ -73,6 +73,19 @@ def _modules(n, H, device, dtype):
     return mods
 
 
+def _run_pair(fn, mods, x, w, g):
+    """[output, dx, every parameter gradient] of `fn` (the pair, maybe compiled) over `mods` on x with upstream g."""
+    x = x.clone().requires_grad_()
+    out = fn(mods[0], mods[1], x, w, w)
+    out.backward(g)
+    return [out, x.grad] + [p.grad for m in mods for p in m.parameters()]
+
+
+def _rel(a, b):
+    """Relative Frobenius error of a against the reference b, in float64 on the CPU."""
+    return ((a.cpu().double() - b.double()).norm() / b.double().norm()).item()
+
+
 _SCALAR_GAIN_NOISE = 3e-2  # relative error vs float64 that the bf16 stream alone gives the alpha_* gradients
 
 
@@ -89,8 +102,7 @@ def test_fused_mhc_bf16_stream_on_cuda_is_as_accurate_as_exact_fp32(compiled, mo
     the other in both directions (0.alpha_pre: fast 2.4e-5, exact 1.3e-2; 1.alpha_pre: fast 9.6e-3, exact
     3.8e-3), so they are held to that noise level, 3e-2, not to the exact run's draw. Eager: CUDA and the CPU path
     round at the same points, so their outputs agree to 5e-3."""
-    import llm_training.layers.projection as projection
-    import llm_training.layers.sinkhorn as sinkhorn
+    from llm_training.layers import projection, sinkhorn
 
     n, H, B, S = 4, 1024, 2, 512
     fast, exact_fp32, ref = (
@@ -100,33 +112,24 @@ def test_fused_mhc_bf16_stream_on_cuda_is_as_accurate_as_exact_fp32(compiled, mo
     w = torch.rand(H, device="cuda").add(0.5).bfloat16()
     g = torch.randn(B, S, n, H, device="cuda").bfloat16()
 
-    def run(fn, mods, x, w, g):
-        x = x.clone().requires_grad_()
-        out = fn(mods[0], mods[1], x, w, w)
-        out.backward(g)
-        return [out, x.grad] + [p.grad for m in mods for p in m.parameters()]
-
     fn = torch.compile(_pair) if compiled else _pair
-    got = run(fn, fast, x, w, g)
+    got = _run_pair(fn, fast, x, w, g)
     with monkeypatch.context() as m:
         m.setattr(projection, "_use_split_bf16", lambda *a, **k: False)
         m.setattr(sinkhorn, "_HAS_TRITON", False)
-        baseline = run(_pair, exact_fp32, x, w, g)
-    exact = run(_pair, ref, x.cpu().double(), w.cpu().double(), g.cpu().double())
+        baseline = _run_pair(_pair, exact_fp32, x, w, g)
+    exact = _run_pair(_pair, ref, x.cpu().double(), w.cpu().double(), g.cpu().double())
     assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.bfloat16
-
-    def rel(a, b):
-        return ((a.cpu().double() - b.double()).norm() / b.double().norm()).item()
 
     names = ["out", "dx"] + [f"{k}.{name}" for k, m in enumerate(fast) for name, _ in m.named_parameters()]
     table, failed = [], []
     for name, a, c, e in zip(names, got, baseline, exact):
         assert torch.isfinite(a).all(), name
-        table.append(f"{name}: fast {rel(a, e):.2e} exact-fp32 {rel(c, e):.2e}")
-        bound = _SCALAR_GAIN_NOISE if a.numel() == 1 else 1.5 * rel(c, e) + 2e-3
-        if rel(a, e) > bound:
+        table.append(f"{name}: fast {_rel(a, e):.2e} exact-fp32 {_rel(c, e):.2e}")
+        bound = _SCALAR_GAIN_NOISE if a.numel() == 1 else 1.5 * _rel(c, e) + 2e-3
+        if _rel(a, e) > bound:
             failed.append(name)
     assert not failed, f"{failed} (error vs float64 of every tensor: {'; '.join(table)})"
     if not compiled:
-        cpu_out = run(_pair, _modules(n, H, "cpu", torch.float32), x.cpu(), w.cpu(), g.cpu())[0]
-        assert rel(got[0], cpu_out) < 5e-3
+        cpu_out = _run_pair(_pair, _modules(n, H, "cpu", torch.float32), x.cpu(), w.cpu(), g.cpu())[0]
+        assert _rel(got[0], cpu_out) < 5e-3
