@@ -148,7 +148,7 @@ def bench_layers(tiny: bool, repeats: int) -> list[dict]:
                 torch.manual_seed(0)
                 q, _, _ = build()
                 q.load_state_dict(module.state_dict())
-                kernels = RecipeKernels(recipe, hp_weight_grad=False)
+                kernels = RecipeKernels(recipe, hp_weight_grad=False, cuda=True)
                 if isinstance(q, GroupedGemm):
                     q.kernels = kernels
                 else:
@@ -252,6 +252,11 @@ def main(argv=None) -> int:
     logging.getLogger("llm_training").setLevel(logging.WARNING)
     report: dict = {"gpu": torch.cuda.get_device_name(), "capability": list(cuda_capability()), "tiny": a.tiny}
     status = 0
+
+    def save():  # after every part (and every curve), so a run cut short keeps what it measured
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(report, indent=1))
+
     print(f"GPU: {report['gpu']} (SM{''.join(map(str, cuda_capability()))}); recipes here: {runnable_recipes()}")
 
     if "layers" in a.parts:
@@ -274,6 +279,7 @@ def main(argv=None) -> int:
         except Exception:  # noqa: BLE001 - keep the other parts
             print("FAIL layers:\n" + traceback.format_exc()[-1500:])
             status = 1
+        save()
 
     if "step" in a.parts:
         rows = []
@@ -292,16 +298,21 @@ def main(argv=None) -> int:
         if len(rows) == 2:
             report["step_speedup_fp8_rowwise"] = rows[0]["step_ms"] / rows[1]["step_ms"]
             print(f"step speed-up fp8_rowwise over bf16: {report['step_speedup_fp8_rowwise']:.3f}x")
+        save()
 
     if "curve" in a.parts:
         curves = {}
         for recipe in ("none", "fp8_rowwise"):
             try:
                 curves[recipe] = loss_curve(recipe, a.tiny, a.curve_steps)
+                print(
+                    f"curve {recipe}: {curves[recipe]['seconds']:.0f} s, final loss {curves[recipe]['losses'][-1]:.3f}"
+                )
             except Exception:  # noqa: BLE001 - keep the other parts
                 print(f"FAIL curve {recipe}:\n" + traceback.format_exc()[-1500:])
                 status = 1
-        report["curves"] = curves
+            report["curves"] = curves
+            save()
         if len(curves) == 2:
             base, quant = curves["none"]["losses"], curves["fp8_rowwise"]["losses"]
             every = max(1, len(base) // 8)
@@ -320,8 +331,7 @@ def main(argv=None) -> int:
                 print("FAIL curve: non-finite fp8_rowwise loss")
                 status = 1
 
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=1))
+    save()
     print(f"wrote {a.out}")
     return status
 

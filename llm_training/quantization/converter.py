@@ -74,15 +74,19 @@ class LowPrecisionConverter:
     skipped: list[str] = field(default_factory=list)
 
     def convert(self, model: nn.Module) -> None:
-        kernels = RecipeKernels(self.recipe, self.hp_weight_grad)
+        chosen = []
         for name, module, kind in convertible_modules(model):
             if kind not in self.kinds:
                 continue
             if self.cuda and not fits_cuda_kernel(self.recipe, *gemm_dims(module)):
                 self.skipped.append(name)
                 continue
-            to_low_precision(module, kernels)
+            chosen.append(module)
             self.converted.append(name)
+        # CUDA ops are bound (torchao imported) only when something converts
+        kernels = RecipeKernels(self.recipe, self.hp_weight_grad, cuda=self.cuda and bool(chosen))
+        for module in chosen:
+            to_low_precision(module, kernels)
         if self.cuda and self.recipe == "fp8_blockwise" and "routed_experts" in self.kinds:
             import importlib.util
 

@@ -1,6 +1,6 @@
 """The GEMMs of one recipe: `linear(x, w)` and `grouped_mm(x, w, offs)`, on CUDA through torchao 0.18, on CPU
 through the emulation (`quantization.emulation`). The device of the input picks the path (static under
-torch.compile). torchao is imported on first CUDA use only.
+torch.compile). torchao is imported when a RecipeKernels is built for CUDA (`cuda=True`), never for CPU.
 
 CUDA kernels (torchao 0.18 API, read from its source):
   * fp8_rowwise    linear: `torchao.float8.float8_linear.matmul_with_hp_or_float8_args` with the "rowwise"
@@ -22,7 +22,7 @@ the dgrad weight tensorwise).
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 
 import torch
 
@@ -50,7 +50,6 @@ def zero_past_last_group(y_NO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tens
     return torch.where((rows < offs_E[-1])[:, None], y_NO, torch.zeros((), dtype=y_NO.dtype, device=y_NO.device))
 
 
-@functools.cache
 def _float8_rowwise_configs():
     """(Float8LinearConfig, LinearMMConfig) of torchao's "rowwise" recipe, as Float8Linear builds them."""
     from torchao.float8.config import Float8LinearConfig
@@ -66,65 +65,58 @@ def _float8_rowwise_configs():
     return c, mm
 
 
-def _cuda_linear(recipe: str, x_NK: torch.Tensor, w_OK: torch.Tensor, hp_weight_grad: bool) -> torch.Tensor:
+def _torchao_linear(recipe: str, mx_wgrad_with_hp: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """x [N, K], w [O, K] -> x w^T [N, O] through torchao's quantized op of `recipe` (a low-precision wgrad,
+    except mxfp8 with `mx_wgrad_with_hp`, torchao's own high-precision wgrad)."""
+    if recipe == "fp8_rowwise":
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+        config, mm_config = _float8_rowwise_configs()
+        return lambda x_NK, w_OK: matmul_with_hp_or_float8_args.apply(x_NK, w_OK.t(), mm_config, config)
     if recipe == "mxfp8":
         from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
         from torchao.quantization.quantize_.common import KernelPreference
 
-        return _to_mxfp8_then_scaled_mm(
-            x_NK, w_OK, KernelPreference.AUTO, ScaleCalculationMode.RCEIL, wgrad_with_hp=hp_weight_grad
+        return lambda x_NK, w_OK: _to_mxfp8_then_scaled_mm(
+            x_NK, w_OK, KernelPreference.AUTO, ScaleCalculationMode.RCEIL, wgrad_with_hp=mx_wgrad_with_hp
         )
-    if hp_weight_grad:
-        op = functools.partial(_cuda_linear, recipe, hp_weight_grad=False)
-        return _HighPrecisionWeightGrad.apply(x_NK, w_OK, None, lambda a, b, offs: op(a, b))
-    if recipe == "fp8_rowwise":
-        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-
-        config, mm_config = _float8_rowwise_configs()
-        return matmul_with_hp_or_float8_args.apply(x_NK, w_OK.t(), mm_config, config)
     from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
 
-    return fp8_blockwise_mm.apply(x_NK, w_OK.contiguous(), 128, x_NK.dtype, False)
+    return lambda x_NK, w_OK: fp8_blockwise_mm.apply(x_NK, w_OK.contiguous(), 128, x_NK.dtype, False)
 
 
-def _cuda_grouped_mm(
-    recipe: str, x_NK: torch.Tensor, w_EOK: torch.Tensor, offs_E: torch.Tensor, hp_weight_grad: bool
-) -> torch.Tensor:
-    x_NK = x_NK.contiguous()
-    b_t = _column_major(w_EOK.transpose(-2, -1))
+def _torchao_grouped_mm(
+    recipe: str, mx_wgrad_with_hp: bool
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """x [N, K], b [E, K, O] (column-major per expert), offs [E] -> [N, O] per token group (groups already
+    padded) through torchao's quantized grouped op of `recipe`; wgrad as in `_torchao_linear`."""
+    if recipe == "fp8_rowwise":
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+        return lambda x, b, offs: _to_fp8_rowwise_then_scaled_grouped_mm(
+            x, b, offs, out_dtype=x.dtype, pad_token_groups_for_grouped_mm=False
+        )
     if recipe == "mxfp8":
         from torchao.prototype.moe_training import _to_mxfp8_then_scaled_grouped_mm
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
         from torchao.quantization.quantize_.common import KernelPreference
 
-        y = _to_mxfp8_then_scaled_grouped_mm(
-            x_NK,
-            b_t,
-            offs_E,
-            out_dtype=x_NK.dtype,
+        return lambda x, b, offs: _to_mxfp8_then_scaled_grouped_mm(
+            x,
+            b,
+            offs,
+            out_dtype=x.dtype,
             kernel_preference=KernelPreference.AUTO,
-            wgrad_with_hp=hp_weight_grad,
+            wgrad_with_hp=mx_wgrad_with_hp,
             scale_calculation_mode=ScaleCalculationMode.RCEIL,
             pad_token_groups_for_grouped_mm=False,
         )
-        return zero_past_last_group(y, offs_E)
-    if hp_weight_grad:
-        op = functools.partial(_cuda_grouped_mm, recipe, hp_weight_grad=False)
-        return _HighPrecisionWeightGrad.apply(x_NK, w_EOK, offs_E, lambda a, b, offs: op(a, b, offs))
-    if recipe == "fp8_rowwise":
-        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+    from torchao.prototype.moe_training.blockwise_fp8.grouped_mm import _to_fp8_blockwise_then_scaled_grouped_mm
 
-        y = _to_fp8_rowwise_then_scaled_grouped_mm(
-            x_NK, b_t, offs_E, out_dtype=x_NK.dtype, pad_token_groups_for_grouped_mm=False
-        )
-    else:
-        from torchao.prototype.moe_training.blockwise_fp8.grouped_mm import _to_fp8_blockwise_then_scaled_grouped_mm
-
-        y = _to_fp8_blockwise_then_scaled_grouped_mm(
-            x_NK, b_t, offs_E, out_dtype=x_NK.dtype, block_size=128, pad_token_groups_for_grouped_mm=False
-        )
-    return zero_past_last_group(y, offs_E)
+    return lambda x, b, offs: _to_fp8_blockwise_then_scaled_grouped_mm(
+        x, b, offs, out_dtype=x.dtype, block_size=128, pad_token_groups_for_grouped_mm=False
+    )
 
 
 class _HighPrecisionWeightGrad(torch.autograd.Function):
@@ -152,22 +144,48 @@ class _HighPrecisionWeightGrad(torch.autograd.Function):
 
 
 class RecipeKernels:
-    """The linear and grouped GEMMs of one recipe, and the token-group alignment its grouped GEMM needs."""
+    """The linear and grouped GEMMs of one recipe, and the token-group alignment its grouped GEMM needs.
 
-    def __init__(self, recipe: str, hp_weight_grad: bool):
+    `cuda`: bind torchao's CUDA ops now (imports torchao). That happens here, at conversion, and not on the first
+    forward: a compiled block would otherwise trace the imports and the config construction on every compile.
+    Inputs on CUDA need `cuda=True`; CPU inputs run the emulation either way."""
+
+    def __init__(self, recipe: str, hp_weight_grad: bool, cuda: bool):
         self.recipe, self.hp_weight_grad = recipe, hp_weight_grad
         self.group_multiple = GROUP_MULTIPLE[recipe]
+        self._cuda_linear = self._cuda_grouped_mm = None
+        if cuda:
+            native_hp = recipe == "mxfp8" and hp_weight_grad
+            linear, grouped = _torchao_linear(recipe, native_hp), _torchao_grouped_mm(recipe, native_hp)
+
+            def grouped_EOK(x_NK, w_EOK, offs_E):  # w as the module stores it; rows past the last group zeroed
+                y_NO = grouped(x_NK.contiguous(), _column_major(w_EOK.transpose(-2, -1)), offs_E)
+                return zero_past_last_group(y_NO, offs_E)
+
+            if hp_weight_grad and not native_hp:
+                self._cuda_linear = lambda x, w: _HighPrecisionWeightGrad.apply(
+                    x, w, None, lambda a, b, _: linear(a, b)
+                )
+                self._cuda_grouped_mm = lambda x, w, offs: _HighPrecisionWeightGrad.apply(x, w, offs, grouped_EOK)
+            else:
+                self._cuda_linear, self._cuda_grouped_mm = linear, grouped_EOK
+
+    def _require_cuda(self) -> None:
+        if self._cuda_linear is None:
+            raise RuntimeError(f"{self!r} got CUDA inputs but was built with cuda=False; build it with cuda=True")
 
     # On CUDA the output's gradient is made contiguous first: torchao's quantization kernels require it (the
     # stride-0 gradient of e.g. `.sum()` is not).
     def linear(self, x_NK: torch.Tensor, w_OK: torch.Tensor) -> torch.Tensor:
         if x_NK.is_cuda:
-            return _ContiguousGrad.apply(_cuda_linear(self.recipe, x_NK, w_OK, self.hp_weight_grad))
+            self._require_cuda()
+            return _ContiguousGrad.apply(self._cuda_linear(x_NK, w_OK))
         return emulated_linear(x_NK, w_OK, self.recipe, self.hp_weight_grad)
 
     def grouped_mm(self, x_NK: torch.Tensor, w_EOK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         if x_NK.is_cuda:
-            return _ContiguousGrad.apply(_cuda_grouped_mm(self.recipe, x_NK, w_EOK, offs_E, self.hp_weight_grad))
+            self._require_cuda()
+            return _ContiguousGrad.apply(self._cuda_grouped_mm(x_NK, w_EOK, offs_E))
         return emulated_grouped_mm(x_NK, w_EOK, offs_E, self.recipe, self.hp_weight_grad)
 
     def __repr__(self) -> str:

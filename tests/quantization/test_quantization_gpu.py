@@ -54,7 +54,7 @@ def _check(run, ref_bf16, ref_emulated, tensors):
 def test_linear_kernel_matches_emulation_and_bf16(recipe, hp_weight_grad):
     torch.manual_seed(0)
     x, w = torch.randn(2048, 1024, **BF16), torch.randn(1536, 1024, **BF16) * 0.02
-    kernels = RecipeKernels(recipe, hp_weight_grad)
+    kernels = RecipeKernels(recipe, hp_weight_grad, cuda=True)
     _check(
         kernels.linear,
         lambda a, b: a @ b.t(),
@@ -68,7 +68,7 @@ def test_linear_kernel_matches_emulation_and_bf16(recipe, hp_weight_grad):
 def test_grouped_mm_kernel_matches_emulation_and_bf16(recipe, hp_weight_grad):
     torch.manual_seed(0)
     E, K, O = 8, 1024, 512
-    kernels = RecipeKernels(recipe, hp_weight_grad)
+    kernels = RecipeKernels(recipe, hp_weight_grad, cuda=True)
     m = kernels.group_multiple
     counts = torch.tensor([3, 0, 5, 2, 7, 1, 4, 2]) * m  # one empty expert; groups aligned as the module pads them
     offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
@@ -96,7 +96,7 @@ def test_converted_moe_layer_tracks_bf16(recipe):
         ref.init_weights(0.02, buffer_device="cuda")
     moe = MoE(args).to(**BF16)
     moe.load_state_dict(ref.state_dict())
-    kernels = RecipeKernels(recipe, False)
+    kernels = RecipeKernels(recipe, False, cuda=True)
     to_low_precision(moe.experts, kernels)
     for lin in (moe.shared_experts.gate_proj, moe.shared_experts.up_proj, moe.shared_experts.down_proj):
         to_low_precision(lin, kernels)
@@ -122,7 +122,7 @@ def test_compiled_converted_experts_match_eager():
     experts = GroupedExperts(args).to(**BF16)
     with torch.no_grad():
         experts.init_weights(0.02)
-    to_low_precision(experts, RecipeKernels("fp8_rowwise", False))
+    to_low_precision(experts, RecipeKernels("fp8_rowwise", False, cuda=True))
     counts = torch.tensor([100, 0, 37, 250, 3, 64, 9, 49], device="cuda")
     x = torch.randn(int(counts.sum()), args.hidden_size, **BF16)
     eager = experts(x, counts)

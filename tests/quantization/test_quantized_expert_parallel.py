@@ -29,7 +29,7 @@ def _check(rank, mesh, recipe, checkpointed):
     torch.manual_seed(0)
     reference = MoE(args)
     reference.init_weights(0.3)
-    to_low_precision(reference.experts, RecipeKernels(recipe, hp_weight_grad=False))
+    to_low_precision(reference.experts, RecipeKernels(recipe, hp_weight_grad=False, cuda=False))
     moe = copy.deepcopy(reference)
     plan = apply_expert_parallel(moe, mesh)
     assert isinstance(moe.experts, LowPrecisionGroupedExperts)
