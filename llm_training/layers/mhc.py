@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from llm_training.autograd_output import function_output
-from llm_training.layers import mhc_ops, projection
+from llm_training.layers import projection
 from llm_training.layers.norms import RMSNorm
 from llm_training.layers.projection import Fp32Projection, matmul_fp32
 from llm_training.layers.sinkhorn import sinkhorn
@@ -200,34 +200,17 @@ def _rows(t: torch.Tensor, trailing: int) -> torch.Tensor:
     return t.reshape(-1, *t.shape[t.dim() - trailing :])
 
 
-def _token_rows(t: torch.Tensor) -> torch.Tensor:
-    """Flatten the leading [B, S] of a per-token tensor (stream [B, S, n, H], H_res [B, S, n, n], h [B, S, n],
-    y [B, S, H]) into one token dimension."""
-    return _rows(t, t.dim() - 2)
-
-
 def _save_stream(ctx, x: torch.Tensor, source: tuple, *others: torch.Tensor | None) -> None:
     ctx.n_source = len(source)  # the source arguments get no gradient (they get it through X's own graph)
     ctx.from_source = len(source) > 0 and source[0] is not None  # (torch 2.11's dynamo cannot trace bool(tuple))
-    ctx.fused = mhc_ops.uses_stream_kernels(x)  # the backward runs the fused kernels (`layers.mhc_ops`)
     ctx.save_for_backward(*(source if ctx.from_source else (x,)), *others)
 
 
 def _load_stream(ctx) -> tuple[torch.Tensor, tuple]:
-    """(X, the other saved tensors), X rebuilt from its source when that was saved."""
     saved = ctx.saved_tensors
     if ctx.from_source:
         return _mix(*saved[:4]), saved[4:]
     return saved[0], saved[1:]
-
-
-def _saved_stream(ctx) -> tuple[torch.Tensor | None, tuple, tuple]:
-    """(X or None, its source or 4 x None, the other saved tensors), for the fused kernels (`layers.mhc_ops`),
-    which rebuild X themselves."""
-    saved = ctx.saved_tensors
-    if ctx.from_source:
-        return None, saved[:4], saved[4:]
-    return saved[0], _NO_SOURCE, saved[1:]
 
 
 def _folded_weight(gamma_D: torch.Tensor, weights: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,15 +239,19 @@ class _StreamNormProjection(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dpqr):
-        if ctx.fused:
-            return _StreamNormProjection._backward_fused(ctx, dpqr)
         x_BSnH, (gamma_D, w_pre, w_post, w_res, rstd_T, pqr_TK) = _load_stream(ctx)
-        w_KD, folded_KD = _folded_weight(gamma_D, (w_pre, w_post, w_res))
+        weights = (w_pre, w_post, w_res)
+        w_KD, folded_KD = _folded_weight(gamma_D, weights)
         xf_TD = x_BSnH.reshape(-1, folded_KD.shape[1])
         D = xf_TD.shape[1]
-        draw_TK, dmean_T = _StreamNormProjection._raw_grads(dpqr, rstd_T, pqr_TK)
-        dx = None
-        if ctx.needs_input_grad[0]:
+        dpqr_TK = dpqr.reshape(pqr_TK.shape).to(pqr_TK.dtype)
+        draw_TK = dpqr_TK * rstd_T[:, None]  # d(vec(X) W~^T)
+        # d rstd = sum_k dpqr_k raw_k = sum_k dpqr_k pqr_k / rstd;  d(mean sq) = -rstd^3 / 2 * d rstd
+        dmean_T = -0.5 * rstd_T.square() * (dpqr_TK * pqr_TK).sum(-1)
+        need = ctx.needs_input_grad
+        dx = dgamma = None
+        dws = [None, None, None]
+        if need[0]:
             # dx = draw W~ + (2 / D) dmean * X in fp32, rounded once to X's dtype (a bf16 GEMM output would add a
             # rounding that a cancellation-prone coefficient gradient feels: tests/layers/test_mhc.py; on CUDA the
             # fp32 GEMM runs on tensor cores as split-bf16 pairs, not as fp32 FFMA), over
@@ -278,49 +265,16 @@ class _StreamNormProjection(torch.autograd.Function):
                 gemm = matmul_fp32(draw_TK[s : s + step], folded_KD, out_dtype=ct, split_fp32_pair=True)
                 dx_TD[s : s + step] = torch.addcmul(gemm, xf_TD[s : s + step], coef_T1[s : s + step])
             dx = dx_TD.view(x_BSnH.shape)
-        need_w = any(ctx.needs_input_grad[i] for i in (1, 3, 4, 5))
-        dfolded_KD = matmul_fp32(draw_TK.t(), xf_TD, out_dtype=folded_KD.dtype) if need_w else None
-        return (
-            dx,
-            *_StreamNormProjection._weight_grads(ctx, dfolded_KD, gamma_D, w_KD, (w_pre, w_post, w_res)),
-            *[None] * ctx.n_source,
-        )
-
-    @staticmethod
-    def _backward_fused(ctx, dpqr):
-        """The backward as one kernel over the stream (`mhc_ops.projection_backward`): dX and W~'s gradient."""
-        x_TnH, source, (gamma_D, w_pre, w_post, w_res, rstd_T, pqr_TK) = _saved_stream(ctx)
-        shape = (source[0] if x_TnH is None else x_TnH).shape
-        w_KD, folded_KD = _folded_weight(gamma_D, (w_pre, w_post, w_res))
-        draw_TK, dmean_T = _StreamNormProjection._raw_grads(dpqr, rstd_T, pqr_TK)
-        coef_T = dmean_T * (2.0 / folded_KD.shape[1])
-        rows = [None if t is None else _token_rows(t) for t in (x_TnH, *source)]
-        dx, dfolded_KD = mhc_ops.projection_backward(draw_TK, coef_T, folded_KD, *rows)
-        dx = dx.view(shape) if ctx.needs_input_grad[0] else None
-        return (
-            dx,
-            *_StreamNormProjection._weight_grads(ctx, dfolded_KD, gamma_D, w_KD, (w_pre, w_post, w_res)),
-            *[None] * ctx.n_source,
-        )
-
-    @staticmethod
-    def _raw_grads(dpqr, rstd_T, pqr_TK) -> tuple[torch.Tensor, torch.Tensor]:
-        """(draw = d(vec(X) W~^T) [T, K], d(mean sq) [T]) from dpqr."""
-        dpqr_TK = dpqr.reshape(pqr_TK.shape).to(pqr_TK.dtype)
-        # d rstd = sum_k dpqr_k raw_k = sum_k dpqr_k pqr_k / rstd;  d(mean sq) = -rstd^3 / 2 * d rstd
-        return dpqr_TK * rstd_T[:, None], -0.5 * rstd_T.square() * (dpqr_TK * pqr_TK).sum(-1)
-
-    @staticmethod
-    def _weight_grads(ctx, dfolded_KD, gamma_D, w_KD, weights) -> tuple:
-        """(dgamma, None for eps, dW_pre, dW_post, dW_res) from dW~ (W~ = W * gamma)."""
-        need = ctx.needs_input_grad
-        dgamma = (dfolded_KD * w_KD).sum(0).to(gamma_D.dtype) if need[1] else None
-        dws, start = [], 0
-        for k, w in enumerate(weights):
-            rows = slice(start, start + w.shape[0])
-            dws.append((dfolded_KD[rows] * gamma_D.to(dfolded_KD.dtype)).to(w.dtype) if need[3 + k] else None)
-            start += w.shape[0]
-        return dgamma, None, *dws
+        if need[1] or need[3] or need[4] or need[5]:
+            dfolded_KD = matmul_fp32(draw_TK.t(), xf_TD, out_dtype=folded_KD.dtype)
+            if need[1]:
+                dgamma = (dfolded_KD * w_KD).sum(0).to(gamma_D.dtype)
+            start = 0
+            for k, w in enumerate(weights):
+                if need[3 + k]:
+                    dws[k] = (dfolded_KD[start : start + w.shape[0]] * gamma_D.to(dfolded_KD.dtype)).to(w.dtype)
+                start += w.shape[0]
+        return dx, dgamma, None, *dws, *[None] * ctx.n_source
 
 
 class _CollapseStreams(torch.autograd.Function):
@@ -333,12 +287,6 @@ class _CollapseStreams(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_BSH):
-        if ctx.fused:
-            x, source, (h,) = _saved_stream(ctx)
-            rows = [None if t is None else _token_rows(t) for t in (x, *source)]
-            dx, dh = mhc_ops.collapse_backward(_token_rows(g_BSH), rows[0], _token_rows(h), *rows[1:])
-            shape = (source[0] if x is None else x).shape
-            return dx.view(shape), dh.view(h.shape), *[None] * ctx.n_source
         x, (h,) = _load_stream(ctx)
         dx = dh = None
         if ctx.needs_input_grad[0]:
@@ -358,14 +306,6 @@ class _MixStreams(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_BSnH):
-        if ctx.fused:
-            x, source, (h_res, h_post, y) = _saved_stream(ctx)
-            rows = [None if t is None else _token_rows(t) for t in (x, *source)]
-            dx, dh_res, dh_post, dy = mhc_ops.mix_backward(
-                _token_rows(g_BSnH), rows[0], _token_rows(h_res), _token_rows(h_post), _token_rows(y), *rows[1:]
-            )
-            return dx.view(g_BSnH.shape), dh_res.view(h_res.shape), dh_post.view(h_post.shape), dy.view(y.shape), \
-                *[None] * ctx.n_source  # fmt: skip
         x, (h_res, h_post, y) = _load_stream(ctx)
         need = ctx.needs_input_grad
         g = g_BSnH
