@@ -4,7 +4,7 @@
 #   bash scripts/device/quant.sh check            ~60-90 s: the gpu-marked tests of tests/quantization (fp8_rowwise /
 #                                                  fp8_blockwise linear + grouped GEMM vs the emulation and bf16, a
 #                                                  converted MoE layer) + a tiny smoke run of every bench part
-#   bash scripts/device/quant.sh bench [PARTS]    ~3-4 min: bench/bench_quantization.py PARTS (default: layers step
+#   bash scripts/device/quant.sh bench [PARTS]    up to 9 min: bench/bench_quantization.py PARTS (default: layers step
 #                                                  curve): per-layer speed-ups at motif3_proxy shapes, the motif3_proxy
 #                                                  step bf16 vs fp8_rowwise, motif3_small loss curves (200 steps, seq 1024)
 # Assumes torchao 0.18.0 importable. Writes one file: $OUT/quant.json (bench) or $OUT/quant.log (check).
@@ -32,7 +32,7 @@ case "$mode" in
     step "bench smoke" bash -c "timeout 120 python3 bench/bench_quantization.py layers step curve --tiny --repeats 3 --steps 2 --curve-steps 20 --out /tmp/quant_smoke.json 2>&1 | grep -v 'Failed to load\|register_constant' | tee -a '$LOG' | tail -30; exit \${PIPESTATUS[0]}"
     ;;
   bench)
-    step "bench ${*:-layers step curve}" bash -c "timeout 300 python3 bench/bench_quantization.py $* --out '$OUT/quant.json' 2>&1 | grep -v 'Failed to load\|register_constant' | tail -45; exit \${PIPESTATUS[0]}"
+    step "bench ${*:-layers step curve}" bash -c "timeout 540 python3 bench/bench_quantization.py $* --out '$OUT/quant.json' 2>&1 | grep -v 'Failed to load\|register_constant' | tail -45; exit \${PIPESTATUS[0]}"
     ;;
   *) echo "usage: bash scripts/device/quant.sh check|bench [layers] [step] [curve]"; exit 2 ;;
 esac
