@@ -85,11 +85,12 @@ def build_trainer(
     optimizer: str | None = None,
     device: str = "cuda",
     quantize: str = "none",
+    mhc_backward: str = "tensor_ops",
 ) -> Trainer:
     """Our real Trainer (build_model + parallelize + optimizers + loss) for `flavor` on random data, as a training
     run builds it: bf16 FSDP2 mixed precision on CUDA (a 1-rank process group), fp32 on CPU. `accum` micro-batches
     of `batch` x `seq_len` tokens make one optimizer step; `optimizer` None keeps the config's default (Muon);
-    `quantize`: the [quantize] recipe (none = bf16)."""
+    `quantize`: the [quantize] recipe (none = bf16); `mhc_backward`: [model] mhc_backward."""
     on_cuda = device == "cuda"
     precision = "bfloat16" if on_cuda else "float32"
     overrides = [
@@ -101,6 +102,7 @@ def build_trainer(
         f"--training.steps={steps}", "--checkpoint.enable=false",
         f"--activation_checkpoint.mode={ac}", f"--compile.enable={'true' if compile_ else 'false'}",
         "--metrics.save_jsonl=false", "--lr_scheduler.warmup_steps=1", f"--quantize.recipe={quantize}",
+        f"--model.mhc_backward={mhc_backward}",
     ]  # fmt: skip
     if optimizer is not None:
         overrides.append(f"--optimizer.name={optimizer}")

@@ -18,7 +18,8 @@ Groups (same tokens per optimizer step within a group; select with --cases, comm
   accum     4 micro-batches of 4 x seq_len per optimizer step (64K tokens at seq 4096), compiled
 A case name (ours@compiled, torchtitan@accum, ...) selects one case. `--quantize fp8_rowwise,...` adds our two
 systems again under each low-precision recipe ([quantize] recipe; e.g. "ours_nomtp+adamw+fp8_rowwise@accum"),
-and the ratio table then also gives each one's speed-up over the same case in bf16. `--size tiny` runs every case at the tiny
+and the ratio table then also gives each one's speed-up over the same case in bf16; `--mhc-backward fused` likewise
+adds them with [model] mhc_backward = "fused" ("...+mhc_fused@accum"). `--size tiny` runs every case at the tiny
 CPU shape (motif3_debug and its matched DeepSeek-V3) for a smoke test.
 
     python bench/bench_vs_torchtitan.py                         # all groups at the proxy shape (GPU)
@@ -86,12 +87,14 @@ class Case:
     warmup: int
     profile_steps: int = 0  # optimizer steps profiled after timing (CUDA): kernel time by cost group
     recipe: str = "none"  # our systems: the [quantize] recipe (torchtitan: always "none", bf16)
+    mhc_backward: str = "tensor_ops"  # our systems: [model] mhc_backward
 
     @property
     def name(self) -> str:
         opt = f"+{self.optimizer}" if self.system == "ours_nomtp" else ""
         quant = f"+{self.recipe}" if self.recipe != "none" else ""
-        return f"{self.system}{opt}{quant}@{self.group}"
+        mhc = "+mhc_fused" if self.mhc_backward == "fused" else ""
+        return f"{self.system}{opt}{quant}{mhc}@{self.group}"
 
     @property
     def shape(self) -> Size:
@@ -122,18 +125,23 @@ def build_cases(
     nomtp_optimizers: list[str],
     profile_steps: int = 0,
     recipes: tuple[str, ...] = (),
+    mhc_backwards: tuple[str, ...] = (),
 ) -> list[Case]:
     """The cases named by `selection`: comma-separated groups ("eager", "compiled", "accum", "all") and/or case
     names as printed (e.g. "ours@compiled", "ours_nomtp+adamw@accum", "torchtitan@eager"). Order: group, then
-    ours, ours_nomtp (per optimizer), each again under every one of `recipes` (low-precision [quantize] recipes),
-    then torchtitan. The accum group runs half the timed steps (each is 4x longer)."""
+    ours, ours_nomtp (per optimizer), each again under every one of `recipes` (low-precision [quantize] recipes)
+    and then in bf16 with every other [model] mhc_backward of `mhc_backwards`, then torchtitan. The accum group runs
+    half the timed steps (each is 4x longer)."""
     every = []
     for group in GROUPS:
         n_steps = max(1, steps // 2) if group == "accum" else steps
-        for recipe in ("none", *(r for r in recipes if r != "none")):
-            every.append(Case("ours", group, size, "muon", n_steps, warmup, profile_steps, recipe))
+        variants = [(r, "tensor_ops") for r in ("none", *(r for r in recipes if r != "none"))]
+        variants += [("none", m) for m in mhc_backwards if m != "tensor_ops"]
+        for recipe, mhc in variants:
+            every.append(Case("ours", group, size, "muon", n_steps, warmup, profile_steps, recipe, mhc))
             every += [
-                Case("ours_nomtp", group, size, opt, n_steps, warmup, profile_steps, recipe) for opt in nomtp_optimizers
+                Case("ours_nomtp", group, size, opt, n_steps, warmup, profile_steps, recipe, mhc)
+                for opt in nomtp_optimizers
             ]
         every.append(Case("torchtitan", group, size, "adamw", n_steps, warmup, profile_steps))
     chosen = []
@@ -371,7 +379,7 @@ def run_worker(case: Case) -> dict:
         vocab = get_flavor(flavor).vocab_size
         trainer = build_trainer(flavor, seq, case.batch, "none", case.compiled, tempfile.mkdtemp(prefix="bench_vs_tt_"),
                                 case.steps + case.warmup, case.accum, case.optimizer, device.type,
-                                quantize=case.recipe)  # fmt: skip
+                                quantize=case.recipe, mhc_backward=case.mhc_backward)  # fmt: skip
         nparams = sum(p.numel() for p in trainer.model.parameters())
         flops = our_flops_per_token(flavor, seq)
 
@@ -465,22 +473,23 @@ def run_case_subprocess(case: Case, timeout_s: float, log_dir: Path, alloc_conf:
 
 def ratios(rows: list[dict]) -> list[dict]:
     """Per group: each of our rows against the torchtitan row of the same group (same tokens per step), and each
-    low-precision row against the same case in bf16 (recipe "none"): tokens/s ratio and MFU ratio, each system
-    counted in its own real-work convention ("megatron") and in torchtitan's."""
+    low-precision or fused-mHC row against the same case in bf16 with the tensor-op mHC backward: tokens/s ratio
+    and MFU ratio, each system counted in its own real-work convention ("megatron") and in torchtitan's."""
 
     def ok(t: dict) -> bool:
         return "error" not in t
 
     def same_case_in_bf16(r: dict, t: dict) -> bool:
         keys = ("system", "group", "optimizer")
-        return t.get("recipe", "none") == "none" and all(t.get(k) == r.get(k) for k in keys)
+        plain = t.get("recipe", "none") == "none" and t.get("mhc_backward", "tensor_ops") == "tensor_ops"
+        return plain and all(t.get(k) == r.get(k) for k in keys)
 
     out = []
     for r in rows:
         if r["system"] == "torchtitan" or not ok(r):
             continue
         peers = [next((t for t in rows if t["system"] == "torchtitan" and t["group"] == r["group"] and ok(t)), None)]
-        if r.get("recipe", "none") != "none":
+        if r.get("recipe", "none") != "none" or r.get("mhc_backward", "tensor_ops") != "tensor_ops":
             peers.append(next((t for t in rows if ok(t) and same_case_in_bf16(r, t)), None))
         for peer in filter(None, peers):
             out.append({
@@ -533,6 +542,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=480.0, help="seconds per case before it is killed (FAIL row)")
     p.add_argument("--quantize", default="", help="comma-separated [quantize] recipes (fp8_rowwise, mxfp8, ...): "
                    "our systems again under each, with their speed-up over bf16")  # fmt: skip
+    p.add_argument("--mhc-backward", default="", help="comma-separated [model] mhc_backward values (fused): our "
+                   "systems again with each, with their speed-up over tensor_ops (e.g. ours_nomtp+adamw+mhc_fused@accum)")  # fmt: skip
     p.add_argument("--nomtp-optimizers", default="adamw", help="optimizers of the ours_nomtp rows: adamw, muon or both")
     p.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps per case (CUDA): "
                    "kernel time by cost group (bench/kernel_groups.py), printed and in the JSON")  # fmt: skip
@@ -552,7 +563,8 @@ def main(argv=None) -> int:
         return 0
     optimizers = [o.strip() for o in a.nomtp_optimizers.replace("both", "adamw,muon").split(",") if o.strip()]
     recipes = tuple(r.strip() for r in a.quantize.split(",") if r.strip())
-    cases = build_cases(a.cases, a.size, a.steps, a.warmup, optimizers, a.profile_steps, recipes)
+    mhc_backwards = tuple(m.strip() for m in a.mhc_backward.split(",") if m.strip())
+    cases = build_cases(a.cases, a.size, a.steps, a.warmup, optimizers, a.profile_steps, recipes, mhc_backwards)
     log_dir = Path(a.log_dir) if a.log_dir else Path(tempfile.mkdtemp(prefix="bench_vs_torchtitan_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = []

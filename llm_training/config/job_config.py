@@ -70,6 +70,12 @@ class Model:
         "attention kernel: auto picks the fastest available for the device",
         choices=tuple(ATTENTION_BACKENDS),
     )
+    mhc_backward: str = option(
+        "tensor_ops",
+        "mHC's backward over the n streams: tensor_ops (inductor compiles it) or fused (three Triton kernels, "
+        "CUDA only; experimental: the first version measured slower on the H200, bench/bench_mhc_kernels.py)",
+        choices=("tensor_ops", "fused"),
+    )
 
 
 @dataclass

@@ -210,8 +210,8 @@ OPTIONAL_METRICS_PACKAGES = (("enable_tensorboard", "tensorboard", "tensorboard"
 def validate_environment(c: "JobConfig") -> None:
     """Checks of the files and packages the config needs, so that they fail as config errors (exit 2) at start-up:
     the tokenizer directory (loads, has a chat template, eos and pad tokens), the data set (exists, has a record,
-    the split and conversations column exist), flash-attn-4 for attention_backend = 'fa4' and the packages of the
-    enabled metrics sinks."""
+    the split and conversations column exist), CUDA and triton for mhc_backward = 'fused', flash-attn-4 for
+    attention_backend = 'fa4' and the packages of the enabled metrics sinks."""
     from llm_training.data import build_tokenizer, check_dataset  # imported here: transformers is slow to import
 
     hf = c.huggingface_dataset
@@ -223,6 +223,24 @@ def validate_environment(c: "JobConfig") -> None:
             check()
         except (OSError, ValueError, KeyError, ImportError) as e:
             raise ConfigError(str(e.args[0]) if isinstance(e, KeyError) else str(e)) from None
+    if c.model.mhc_backward == "fused":
+        import torch
+        from activation.backend import TRITON_AVAILABLE
+
+        from llm_training.motif import MODEL_FLAVORS
+
+        on_cuda = c.training.device == "cuda" or (c.training.device == "auto" and torch.cuda.is_available())
+        _require(
+            on_cuda and TRITON_AVAILABLE,
+            "[model] mhc_backward = 'fused' runs Triton kernels on CUDA: it needs a CUDA device and the triton "
+            "package; set mhc_backward = 'tensor_ops'",
+        )
+        hidden = MODEL_FLAVORS[c.model.flavor].hidden_size
+        _require(
+            hidden % 16 == 0,
+            f"[model] mhc_backward = 'fused' tiles the stream in 16 columns; flavor {c.model.flavor!r} has hidden "
+            f"size {hidden}; set mhc_backward = 'tensor_ops'",
+        )
     if c.model.attention_backend == "fa4":
         from llm_training.layers.fa4_attention import fa4_unavailable_reason
 

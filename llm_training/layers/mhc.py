@@ -26,6 +26,8 @@ fused pre/post work, recompute in backward):
     keeps only its fp32 input, not the Sinkhorn iterates. On CUDA the Sinkhorn steps are one fused Triton
     kernel each way (`layers.sinkhorn`: an op torch.compile does not trace, whose backward recomputes the
     iterates in registers), which keeps about half of the nodes out of a compiled block's graph.
+  * `[model] mhc_backward = "fused"` (CUDA): the three Functions' backward runs one Triton kernel each over the
+    stream instead of tensor ops (`layers.mhc_ops`, `layers.mhc_kernels`: experimental, not yet faster).
   * Recompute of the mid-block stream: the stream after the attention update, X1 = mix(X0, H_res, h_post, y),
     is NOT saved: the FFN sub-layer's Functions get its `StreamSource` (X0 and the attention update's
     coefficients and output, which that update keeps anyway) and rebuild X1 in their backward. A block then
@@ -42,7 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from llm_training.autograd_output import function_output
-from llm_training.layers import projection
+from llm_training.layers import mhc_ops, projection
 from llm_training.layers.norms import RMSNorm
 from llm_training.layers.projection import Fp32Projection, matmul_fp32
 from llm_training.layers.sinkhorn import sinkhorn
@@ -75,10 +77,13 @@ class MHC(nn.Module):
         eps: float,
         identity_init: bool,
         h_post_alpha: float,
+        fused_backward: bool = False,
     ):
         super().__init__()
         n, nh = n_streams, n_streams * hidden_size
         self.n, self.sinkhorn_iters, self.identity_init = n, sinkhorn_iters, identity_init
+        # [model] mhc_backward = "fused": the backward over the stream runs `layers.mhc_ops` (CUDA + triton)
+        self.fused_backward = fused_backward
         self.h_post_alpha = h_post_alpha  # c_post = 1 + h_post_alpha; the trainer schedules it
         self.norm = RMSNorm(nh, eps)  # its gain is folded into the projection GEMM (module docstring)
         self.proj_pre = Fp32Projection(nh, n)
@@ -125,7 +130,9 @@ class MHC(nn.Module):
     def projections(self, x_BSnH: torch.Tensor, source: StreamSource | None = None) -> torch.Tensor:
         """[p, q, vec(R)] = RMSNorm_gamma(vec(X)) [proj_pre; proj_post; proj_res]^T, fp32 [B, S, 2n + n^2]."""
         weights = (self.proj_pre.weight, self.proj_post.weight, self.proj_res.weight)
-        return _StreamNormProjection.apply(x_BSnH, self.norm.weight, self.norm.eps, *weights, *(source or _NO_SOURCE))
+        return _StreamNormProjection.apply(
+            x_BSnH, self.norm.weight, self.norm.eps, self.fused_backward, *weights, *(source or _NO_SOURCE)
+        )
 
     def _coefficients_from_projections(self, pqr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = self.n
@@ -137,9 +144,12 @@ class MHC(nn.Module):
         return h_pre, h_post, h_res
 
     @staticmethod
-    def collapse(x_BSnH: torch.Tensor, h_pre_BSn: torch.Tensor, source: StreamSource | None = None) -> torch.Tensor:
-        """sum_i h_pre[i] X[i] in fp32, returned in X's dtype: [B, S, H]."""
-        return _CollapseStreams.apply(x_BSnH, h_pre_BSn, *(source or _NO_SOURCE))
+    def collapse(
+        x_BSnH: torch.Tensor, h_pre_BSn: torch.Tensor, source: StreamSource | None = None, fused: bool = False
+    ) -> torch.Tensor:
+        """sum_i h_pre[i] X[i] in fp32, returned in X's dtype: [B, S, H]. `fused`: the backward runs the fused
+        kernels (where `mhc_ops.uses_stream_kernels`)."""
+        return _CollapseStreams.apply(x_BSnH, h_pre_BSn, fused, *(source or _NO_SOURCE))
 
     @staticmethod
     def update(
@@ -148,9 +158,10 @@ class MHC(nn.Module):
         h_post_BSn: torch.Tensor,
         y_BSH: torch.Tensor,
         source: StreamSource | None = None,
+        fused: bool = False,
     ) -> torch.Tensor:
-        """X'[i] = sum_j H_res[i, j] X[j] + h_post[i] y, fp32 inside, X's dtype out."""
-        return _MixStreams.apply(x_BSnH, h_res_BSnn, h_post_BSn, y_BSH, *(source or _NO_SOURCE))
+        """X'[i] = sum_j H_res[i, j] X[j] + h_post[i] y, fp32 inside, X's dtype out. `fused`: as in collapse."""
+        return _MixStreams.apply(x_BSnH, h_res_BSnn, h_post_BSn, y_BSH, fused, *(source or _NO_SOURCE))
 
 
 # ---------------------------------------------------------------------------------------------- math
@@ -200,17 +211,34 @@ def _rows(t: torch.Tensor, trailing: int) -> torch.Tensor:
     return t.reshape(-1, *t.shape[t.dim() - trailing :])
 
 
-def _save_stream(ctx, x: torch.Tensor, source: tuple, *others: torch.Tensor | None) -> None:
+def _token_rows(t: torch.Tensor) -> torch.Tensor:
+    """Flatten the leading [B, S] of a per-token tensor (stream [B, S, n, H], H_res [B, S, n, n], h [B, S, n],
+    y [B, S, H]) into one token dimension."""
+    return _rows(t, t.dim() - 2)
+
+
+def _save_stream(ctx, x: torch.Tensor, fused: bool, source: tuple, *others: torch.Tensor | None) -> None:
     ctx.n_source = len(source)  # the source arguments get no gradient (they get it through X's own graph)
     ctx.from_source = len(source) > 0 and source[0] is not None  # (torch 2.11's dynamo cannot trace bool(tuple))
+    ctx.fused = fused and mhc_ops.uses_stream_kernels(x)  # the backward runs the fused kernels (`layers.mhc_ops`)
     ctx.save_for_backward(*(source if ctx.from_source else (x,)), *others)
 
 
 def _load_stream(ctx) -> tuple[torch.Tensor, tuple]:
+    """(X, the other saved tensors), X rebuilt from its source when that was saved."""
     saved = ctx.saved_tensors
     if ctx.from_source:
         return _mix(*saved[:4]), saved[4:]
     return saved[0], saved[1:]
+
+
+def _saved_stream(ctx) -> tuple[torch.Tensor | None, tuple, tuple]:
+    """(X or None, its source or 4 x None, the other saved tensors), for the fused kernels (`layers.mhc_ops`),
+    which rebuild X themselves."""
+    saved = ctx.saved_tensors
+    if ctx.from_source:
+        return None, saved[:4], saved[4:]
+    return saved[0], _NO_SOURCE, saved[1:]
 
 
 def _folded_weight(gamma_D: torch.Tensor, weights: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +254,7 @@ class _StreamNormProjection(torch.autograd.Function):
     per-layer weight copy is kept either)."""
 
     @staticmethod
-    def forward(ctx, x_BSnH, gamma_D, eps, w_pre, w_post, w_res, *source):
+    def forward(ctx, x_BSnH, gamma_D, eps, fused, w_pre, w_post, w_res, *source):
         _, folded_KD = _folded_weight(gamma_D, (w_pre, w_post, w_res))
         xf_TD = x_BSnH.reshape(-1, folded_KD.shape[1])
         ct = torch.promote_types(x_BSnH.dtype, folded_KD.dtype)
@@ -234,24 +262,20 @@ class _StreamNormProjection(torch.autograd.Function):
         sq_T = torch.linalg.vector_norm(xf_TD, dim=-1, dtype=ct).square()
         rstd_T = torch.rsqrt(sq_T / xf_TD.shape[1] + eps)
         pqr_TK = matmul_fp32(xf_TD, folded_KD.t(), out_dtype=ct) * rstd_T[:, None]
-        _save_stream(ctx, x_BSnH, source, gamma_D, w_pre, w_post, w_res, rstd_T, pqr_TK)
+        _save_stream(ctx, x_BSnH, fused, source, gamma_D, w_pre, w_post, w_res, rstd_T, pqr_TK)
         return pqr_TK.view(*x_BSnH.shape[:-2], folded_KD.shape[0])
 
     @staticmethod
     def backward(ctx, dpqr):
+        if ctx.fused:
+            return _StreamNormProjection._backward_fused(ctx, dpqr)
         x_BSnH, (gamma_D, w_pre, w_post, w_res, rstd_T, pqr_TK) = _load_stream(ctx)
-        weights = (w_pre, w_post, w_res)
-        w_KD, folded_KD = _folded_weight(gamma_D, weights)
+        w_KD, folded_KD = _folded_weight(gamma_D, (w_pre, w_post, w_res))
         xf_TD = x_BSnH.reshape(-1, folded_KD.shape[1])
         D = xf_TD.shape[1]
-        dpqr_TK = dpqr.reshape(pqr_TK.shape).to(pqr_TK.dtype)
-        draw_TK = dpqr_TK * rstd_T[:, None]  # d(vec(X) W~^T)
-        # d rstd = sum_k dpqr_k raw_k = sum_k dpqr_k pqr_k / rstd;  d(mean sq) = -rstd^3 / 2 * d rstd
-        dmean_T = -0.5 * rstd_T.square() * (dpqr_TK * pqr_TK).sum(-1)
-        need = ctx.needs_input_grad
-        dx = dgamma = None
-        dws = [None, None, None]
-        if need[0]:
+        draw_TK, dmean_T = _StreamNormProjection._raw_grads(dpqr, rstd_T, pqr_TK)
+        dx = None
+        if ctx.needs_input_grad[0]:
             # dx = draw W~ + (2 / D) dmean * X in fp32, rounded once to X's dtype (a bf16 GEMM output would add a
             # rounding that a cancellation-prone coefficient gradient feels: tests/layers/test_mhc.py; on CUDA the
             # fp32 GEMM runs on tensor cores as split-bf16 pairs, not as fp32 FFMA), over
@@ -265,47 +289,94 @@ class _StreamNormProjection(torch.autograd.Function):
                 gemm = matmul_fp32(draw_TK[s : s + step], folded_KD, out_dtype=ct, split_fp32_pair=True)
                 dx_TD[s : s + step] = torch.addcmul(gemm, xf_TD[s : s + step], coef_T1[s : s + step])
             dx = dx_TD.view(x_BSnH.shape)
-        if need[1] or need[3] or need[4] or need[5]:
-            dfolded_KD = matmul_fp32(draw_TK.t(), xf_TD, out_dtype=folded_KD.dtype)
-            if need[1]:
-                dgamma = (dfolded_KD * w_KD).sum(0).to(gamma_D.dtype)
-            start = 0
-            for k, w in enumerate(weights):
-                if need[3 + k]:
-                    dws[k] = (dfolded_KD[start : start + w.shape[0]] * gamma_D.to(dfolded_KD.dtype)).to(w.dtype)
-                start += w.shape[0]
-        return dx, dgamma, None, *dws, *[None] * ctx.n_source
+        need_w = any(ctx.needs_input_grad[i] for i in (1, 4, 5, 6))
+        dfolded_KD = matmul_fp32(draw_TK.t(), xf_TD, out_dtype=folded_KD.dtype) if need_w else None
+        return (
+            dx,
+            *_StreamNormProjection._weight_grads(ctx, dfolded_KD, gamma_D, w_KD, (w_pre, w_post, w_res)),
+            *[None] * ctx.n_source,
+        )
+
+    @staticmethod
+    def _backward_fused(ctx, dpqr):
+        """The backward as one kernel over the stream (`mhc_ops.projection_backward`): dX and W~'s gradient."""
+        x_TnH, source, (gamma_D, w_pre, w_post, w_res, rstd_T, pqr_TK) = _saved_stream(ctx)
+        shape = (source[0] if x_TnH is None else x_TnH).shape
+        w_KD, folded_KD = _folded_weight(gamma_D, (w_pre, w_post, w_res))
+        draw_TK, dmean_T = _StreamNormProjection._raw_grads(dpqr, rstd_T, pqr_TK)
+        coef_T = dmean_T * (2.0 / folded_KD.shape[1])
+        rows = [None if t is None else _token_rows(t) for t in (x_TnH, *source)]
+        dx, dfolded_KD = mhc_ops.projection_backward(draw_TK, coef_T, folded_KD, *rows)
+        dx = dx.view(shape) if ctx.needs_input_grad[0] else None
+        return (
+            dx,
+            *_StreamNormProjection._weight_grads(ctx, dfolded_KD, gamma_D, w_KD, (w_pre, w_post, w_res)),
+            *[None] * ctx.n_source,
+        )
+
+    @staticmethod
+    def _raw_grads(dpqr, rstd_T, pqr_TK) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draw = d(vec(X) W~^T) [T, K], d(mean sq) [T]) from dpqr."""
+        dpqr_TK = dpqr.reshape(pqr_TK.shape).to(pqr_TK.dtype)
+        # d rstd = sum_k dpqr_k raw_k = sum_k dpqr_k pqr_k / rstd;  d(mean sq) = -rstd^3 / 2 * d rstd
+        return dpqr_TK * rstd_T[:, None], -0.5 * rstd_T.square() * (dpqr_TK * pqr_TK).sum(-1)
+
+    @staticmethod
+    def _weight_grads(ctx, dfolded_KD, gamma_D, w_KD, weights) -> tuple:
+        """(dgamma, None for eps and fused, dW_pre, dW_post, dW_res) from dW~ (W~ = W * gamma)."""
+        need = ctx.needs_input_grad
+        dgamma = (dfolded_KD * w_KD).sum(0).to(gamma_D.dtype) if need[1] else None
+        dws, start = [], 0
+        for k, w in enumerate(weights):
+            rows = slice(start, start + w.shape[0])
+            dws.append((dfolded_KD[rows] * gamma_D.to(dfolded_KD.dtype)).to(w.dtype) if need[4 + k] else None)
+            start += w.shape[0]
+        return dgamma, None, None, *dws
 
 
 class _CollapseStreams(torch.autograd.Function):
     """u = sum_i h[i] X[i] computed in fp32; saves X (or its source) in its own dtype and h."""
 
     @staticmethod
-    def forward(ctx, x_BSnH, h_BSn, *source):
-        _save_stream(ctx, x_BSnH, source, h_BSn)
+    def forward(ctx, x_BSnH, h_BSn, fused, *source):
+        _save_stream(ctx, x_BSnH, fused, source, h_BSn)
         return _collapse(x_BSnH, h_BSn)
 
     @staticmethod
     def backward(ctx, g_BSH):
+        if ctx.fused:
+            x, source, (h,) = _saved_stream(ctx)
+            rows = [None if t is None else _token_rows(t) for t in (x, *source)]
+            dx, dh = mhc_ops.collapse_backward(_token_rows(g_BSH), rows[0], _token_rows(h), *rows[1:])
+            shape = (source[0] if x is None else x).shape
+            return dx.view(shape), dh.view(h.shape), None, *[None] * ctx.n_source
         x, (h,) = _load_stream(ctx)
         dx = dh = None
         if ctx.needs_input_grad[0]:
             dx = torch.stack([(h[..., i, None] * g_BSH).to(x.dtype) for i in range(h.shape[-1])], dim=-2)
         if ctx.needs_input_grad[1]:
             dh = _bmm_fp32(_rows(x, 2), _rows(g_BSH, 1).unsqueeze(-1)).view(h.shape).to(h.dtype)
-        return dx, dh, *[None] * ctx.n_source
+        return dx, dh, None, *[None] * ctx.n_source
 
 
 class _MixStreams(torch.autograd.Function):
     """X'[i] = sum_j H[i, j] X[j] + p[i] y computed in fp32; saves X (or its source) and y in their own dtype."""
 
     @staticmethod
-    def forward(ctx, x_BSnH, h_res_BSnn, h_post_BSn, y_BSH, *source):
-        _save_stream(ctx, x_BSnH, source, h_res_BSnn, h_post_BSn, y_BSH)
+    def forward(ctx, x_BSnH, h_res_BSnn, h_post_BSn, y_BSH, fused, *source):
+        _save_stream(ctx, x_BSnH, fused, source, h_res_BSnn, h_post_BSn, y_BSH)
         return _mix(x_BSnH, h_res_BSnn, h_post_BSn, y_BSH)
 
     @staticmethod
     def backward(ctx, g_BSnH):
+        if ctx.fused:
+            x, source, (h_res, h_post, y) = _saved_stream(ctx)
+            rows = [None if t is None else _token_rows(t) for t in (x, *source)]
+            dx, dh_res, dh_post, dy = mhc_ops.mix_backward(
+                _token_rows(g_BSnH), rows[0], _token_rows(h_res), _token_rows(h_post), _token_rows(y), *rows[1:]
+            )
+            return dx.view(g_BSnH.shape), dh_res.view(h_res.shape), dh_post.view(h_post.shape), dy.view(y.shape), \
+                None, *[None] * ctx.n_source  # fmt: skip
         x, (h_res, h_post, y) = _load_stream(ctx)
         need = ctx.needs_input_grad
         g = g_BSnH
@@ -317,4 +388,4 @@ class _MixStreams(torch.autograd.Function):
             dh_post = _bmm_fp32(_rows(g, 2), _rows(y, 1).unsqueeze(-1)).view(h_post.shape).to(h_post.dtype)
         if need[3]:  # dy = sum_i p[i] g[i]
             dy = _collapse(g, h_post).to(y.dtype)
-        return dx, dh_res, dh_post, dy, *[None] * ctx.n_source
+        return dx, dh_res, dh_post, dy, None, *[None] * ctx.n_source

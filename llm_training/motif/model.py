@@ -52,6 +52,7 @@ class TransformerBlock(nn.Module):
         rope_full: RotaryEmbedding,
         rope_sliding: RotaryEmbedding,
         attention_backend: str = "auto",
+        mhc_backward: str = "tensor_ops",
     ):
         super().__init__()
         args = args.for_layer(layer_idx)  # per-layer PolyNorm output scale
@@ -79,6 +80,7 @@ class TransformerBlock(nn.Module):
                 eps=args.mhc_eps,
                 identity_init=args.mhc_identity_init,
                 h_post_alpha=args.mhc_h_post_alpha_start,
+                fused_backward=mhc_backward == "fused",
             )
             self.mhc_attn, self.mhc_ffn = MHC(**mhc), MHC(**mhc)
         else:
@@ -106,19 +108,21 @@ class TransformerBlock(nn.Module):
             x = x + self.self_attn(self.input_layernorm(x), position_ids_BS, metadata)
             y, stats = self._ffn(self.post_attention_layernorm(x))
             return x + y, stats
+        fused = self.mhc_attn.fused_backward
         h_pre, h_post, h_res = self.mhc_attn.coefficients(x)
-        y = self.self_attn(self.input_layernorm(MHC.collapse(x, h_pre)), position_ids_BS, metadata)
+        y = self.self_attn(self.input_layernorm(MHC.collapse(x, h_pre, fused=fused)), position_ids_BS, metadata)
         mid = StreamSource(x, h_res, h_post, y)  # the mid-block stream is rebuilt from this in backward
-        x = MHC.update(*mid)
+        x = MHC.update(*mid, fused=fused)
         h_pre, h_post, h_res = self.mhc_ffn.coefficients(x, mid)
-        y, stats = self._ffn(self.post_attention_layernorm(MHC.collapse(x, h_pre, mid)))
-        return MHC.update(x, h_res, h_post, y, mid), stats
+        y, stats = self._ffn(self.post_attention_layernorm(MHC.collapse(x, h_pre, mid, fused)))
+        return MHC.update(x, h_res, h_post, y, mid, fused), stats
 
 
 class Motif3Model(nn.Module):
-    """The Motif-3 model. `attention_backend` names a kernel of `layers.attention_backends`."""
+    """The Motif-3 model. `attention_backend` names a kernel of `layers.attention_backends`; `mhc_backward`
+    ("tensor_ops" or "fused") how mHC's backward over the streams runs (`layers.mhc`)."""
 
-    def __init__(self, args: Motif3ModelArgs, attention_backend: str = "auto"):
+    def __init__(self, args: Motif3ModelArgs, attention_backend: str = "auto", mhc_backward: str = "tensor_ops"):
         super().__init__()
         args.validate()
         if args.tie_word_embeddings:
@@ -129,7 +133,8 @@ class Motif3Model(nn.Module):
         self._ropes = (rope_full, rope_sliding)  # shared by the blocks; tables built in forward, before them
         self.embed_tokens = nn.Embedding(args.vocab_size, H)
         self.layers = nn.ModuleList(
-            TransformerBlock(args, i, rope_full, rope_sliding, attention_backend) for i in range(args.num_hidden_layers)
+            TransformerBlock(args, i, rope_full, rope_sliding, attention_backend, mhc_backward)
+            for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(H, args.rms_norm_eps)
         self.lm_head = OutputHead(H, args.vocab_size)

@@ -57,6 +57,18 @@ def test_low_precision_rows_are_also_compared_with_bf16():
     }
 
 
+def test_fused_mhc_backward_adds_our_systems_compared_with_the_tensor_op_backward():
+    cases = bvt.build_cases("ours_nomtp+adamw+mhc_fused@accum", "proxy", 6, 2, ["adamw"], mhc_backwards=("fused",))
+    assert [(c.name, c.mhc_backward, c.recipe) for c in cases] == [
+        ("ours_nomtp+adamw+mhc_fused@accum", "fused", "none")
+    ]
+    plain = _row("ours_nomtp", "accum", 20000.0, 200.0, 250.0, optimizer="adamw")
+    fused = _row("ours_nomtp", "accum", 22000.0, 220.0, 275.0, optimizer="adamw", mhc_backward="fused")
+    fused["case"] = "ours_nomtp+adamw+mhc_fused@accum"
+    by_pair = {(q["case"], q["vs"]): q["tokens_per_s"] for q in bvt.ratios([plain, fused])}
+    assert by_pair == {("ours_nomtp+adamw+mhc_fused@accum", "ours_nomtp@accum"): pytest.approx(1.1)}
+
+
 def _row(system, group, tok_s, tf_ours, tf_tt, **kw):
     return {"case": f"{system}@{group}", "system": system, "group": group, "tokens_per_step": 16384,
             "step_ms_median": 1e3 * 16384 / tok_s, "tokens_per_s": tok_s, "tflops_megatron": tf_ours,

@@ -76,3 +76,10 @@ def test_missing_optional_package(flag, package, capsys, monkeypatch):
     )
     err = _error(capsys, f"--metrics.{flag}")
     assert f"[metrics] {flag} = true needs the {package} package" in err and f"pip install {package}" in err
+
+
+def test_fused_mhc_backward_needs_cuda_and_triton(capsys, monkeypatch):
+    """On the CPU (or without triton) `mhc_backward = 'fused'` exits 2 naming the key and the alternative."""
+    monkeypatch.setattr("activation.backend.TRITON_AVAILABLE", True)  # the device alone decides here
+    err = _error(capsys, "--model.mhc_backward=fused")  # debug_cpu.toml: device = "cpu"
+    assert "[model] mhc_backward = 'fused'" in err and "needs a CUDA device" in err and "'tensor_ops'" in err

@@ -307,3 +307,14 @@ def test_forward_equals_spec_composition_by_hand():
     assert mtp.self_attn.window == a.sliding_window and mtp.self_attn.softmax_scale == a.head_dim**-0.5
     torch.testing.assert_close(out.logits, hidden @ model.lm_head.weight.T, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(out.mtp_logits[0][:, : S - 1], mtp_logits, atol=1e-5, rtol=1e-4)
+
+
+def test_mhc_backward_choice_reaches_every_mhc_module():
+    """`[model] mhc_backward` (Motif3Model's mhc_backward) sets how every block's two MHC modules run backward."""
+    from llm_training.layers.mhc import MHC
+
+    for choice, want in (("tensor_ops", {False}), ("fused", {True})):
+        with torch.device("meta"):
+            model = Motif3Model(get_flavor("motif3_debug"), mhc_backward=choice)
+        mhcs = [m for m in model.modules() if isinstance(m, MHC)]
+        assert len(mhcs) == 2 * len(model.layers) and {m.fused_backward for m in mhcs} == want

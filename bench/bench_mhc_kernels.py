@@ -1,0 +1,91 @@
+"""mHC's fused backward kernels (`layers.mhc_kernels`) alone, at one motif3_proxy micro-batch (4 x 4096 tokens,
+n 4, H 4096, bf16 stream): milliseconds per launch, the bytes each must move and the bandwidth that makes, and
+each output's relative error against the same gradient as fp32 tensor ops on the GPU. The projection kernel
+runs in a few tilings. On the H200 inductor's code for the same work took ~5.3 ms per sub-layer (all three),
+measured as the step-profile difference (bench/bench_vs_torchtitan.py --profile-steps).
+
+    python bench/bench_mhc_kernels.py [--tokens 16384] [--out bench/results/bench_mhc_kernels.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from cuda_timing import cuda_time_ms
+
+from llm_training.layers import mhc_kernels as K
+
+PROJECTION_TILINGS = [(32, 1024, 4), (64, 1024, 8), (32, 512, 4)]  # (block_t, tokens_per_group, num_warps)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_mhc_kernels.json"))
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_mhc_kernels needs a CUDA GPU", file=sys.stderr)
+        return 1
+    T, n, H = a.tokens, 4, 4096
+    dev, bf = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    x0 = torch.randn(T, n, H, device=dev, dtype=bf)
+    h0, p0 = torch.rand(T, n, n, device=dev), torch.rand(T, n, device=dev)
+    y0 = torch.randn(T, H, device=dev, dtype=bf)
+    x = ((h0 @ x0.float()) + p0[..., None] * y0.float()[:, None, :]).to(bf)  # the stream the forward stored
+    g = torch.randn(T, n, H, device=dev, dtype=bf)
+    h, p, y = torch.rand(T, n, n, device=dev), torch.rand(T, n, device=dev), torch.randn(T, H, device=dev, dtype=bf)
+    kk = 2 * n + n * n
+    draw, coef = torch.randn(T, kk, device=dev), torch.randn(T, device=dev) * 0.1
+    folded = torch.randn(kk, n * H, device=dev) * 0.05
+    src = (x0, h0, p0, y0)
+    stream, vec = T * n * H * 2, T * H * 2  # bytes of one bf16 stream and of one [T, H] tensor
+
+    xf = x.float()
+    ref = {
+        "mix": (h.transpose(-1, -2) @ g.float(), torch.einsum("tic,tjc->tij", g.float(), xf)),
+        "collapse": (p[..., None] * y.float()[:, None, :], torch.einsum("tic,tc->ti", xf, y.float())),
+        "projection": ((draw @ folded + coef[:, None] * xf.reshape(T, -1)).reshape(T, n, H), draw.t() @ xf.reshape(T, -1)),
+    }  # fmt: skip
+    cases = []
+    for from_source in (False, True):
+        xs, s = (None, src) if from_source else (x, (None,) * 4)
+        read_x = stream + (vec if from_source else 0)
+        cases.append(("mix", from_source, "", lambda xs=xs, s=s: K.mix_backward(g, xs, h, p, y, s),
+                      2 * stream + read_x + 2 * vec))  # fmt: skip
+        cases.append(("collapse", from_source, "", lambda xs=xs, s=s: K.collapse_backward(y, xs, p, s),
+                      stream + read_x + vec))  # fmt: skip
+        for bt, tpg, nw in PROJECTION_TILINGS:
+            cases.append(("projection", from_source, f"block_t {bt}, group {tpg}, warps {nw}",
+                          lambda xs=xs, s=s, bt=bt, tpg=tpg, nw=nw: K.projection_backward(draw, coef, folded, xs, s, bt, tpg, nw),
+                          stream + read_x))  # fmt: skip
+    rows = []
+    print(f"{'kernel':<11}{'source':>7}  {'tiling':<32}{'ms':>8}{'GB/s':>8}  rel. error of the outputs")
+    for name, from_source, tiling, fn, nbytes in cases:
+        out = fn()
+        errs = [_rel(out[0], ref[name][0]), _rel(out[1], ref[name][1])]
+        ms = statistics.median(cuda_time_ms(fn, warmup=3, repeats=a.repeats))
+        rows.append({"kernel": name, "from_source": from_source, "tiling": tiling, "ms": ms,
+                     "gb_per_s": nbytes / ms / 1e6, "bytes": nbytes, "rel_errors": errs})  # fmt: skip
+        print(f"{name:<11}{str(from_source):>7}  {tiling:<32}{ms:8.3f}{nbytes / ms / 1e6:8.0f}  "
+              + ", ".join(f"{e:.1e}" for e in errs), flush=True)  # fmt: skip
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(
+        json.dumps({"gpu": torch.cuda.get_device_name(), "T": T, "n": n, "H": H, "rows": rows}, indent=1)
+    )
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
