@@ -1,10 +1,11 @@
 """mHC's fused backward kernels (`layers.mhc_kernels`) alone, at one motif3_proxy micro-batch (4 x 4096 tokens,
 n 4, H 4096, bf16 stream): milliseconds per launch, the bytes each must move and the bandwidth that makes, and
 each output's relative error against the same gradient as fp32 tensor ops on the GPU. The projection kernel
-runs in a few tilings. On the H200 inductor's code for the same work took ~5.3 ms per sub-layer (all three),
-measured as the step-profile difference (bench/bench_vs_torchtitan.py --profile-steps).
+runs in a few tilings, the per-token kernels too. Then each of mHC's autograd Functions, forward + backward under
+torch.compile, once with inductor's code for the backward ([model] mhc_backward = "tensor_ops") and once with
+these kernels ("fused"), side by side in the same run.
 
-    python bench/bench_mhc_kernels.py [--tokens 16384] [--out bench/results/bench_mhc_kernels.json]
+    python bench/bench_mhc_kernels.py [--tokens 16384] [--skip-functions] [--out bench/results/bench_mhc_kernels.json]
 """
 
 from __future__ import annotations
@@ -21,16 +22,49 @@ from cuda_timing import cuda_time_ms
 from llm_training.layers import mhc_kernels as K
 
 PROJECTION_TILINGS = [(32, 1024, 4), (64, 1024, 8), (32, 512, 4)]  # (block_t, tokens_per_group, num_warps)
+TOKEN_TILINGS = [(128, 4), (256, 4), (512, 8), (256, 2)]  # mix / collapse: (block_h, num_warps)
 
 
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def function_rows(x, g, h, p, y, n: int, H: int, repeats: int) -> list[dict]:
+    """Each mHC autograd Function, forward + backward under torch.compile, with [model] mhc_backward = tensor_ops
+    (inductor's code for the backward) and = fused (these kernels), side by side: the step's real alternatives."""
+    from llm_training.layers import mhc
+
+    T = x.shape[0]
+    gamma = torch.ones(n * H, device=x.device)
+    weights = [torch.randn(k, n * H, device=x.device) * 0.01 for k in (n, n, n * n)]
+    ops = {
+        "mix": (lambda x, h, p, y, fused: mhc._MixStreams.apply(x, h, p, y, fused), (x, h, p, y), g),
+        "collapse": (lambda x, p, fused: mhc._CollapseStreams.apply(x, p, fused), (x, p), y),
+        "projection": (lambda x, gamma, w0, w1, w2, fused: mhc._StreamNormProjection.apply(x, gamma, 1e-6, fused, w0, w1, w2),
+                       (x, gamma, *weights), torch.randn(T, 2 * n + n * n, device=x.device)),
+    }  # fmt: skip
+    out = []
+    print(f"\n{'function (fwd+bwd, compiled)':<30}{'tensor_ops ms':>14}{'fused ms':>10}{'speed-up':>10}")
+    for name, (op, inputs, grad) in ops.items():
+        ms = {}
+        for fused in (False, True):
+            leaves = [t.detach().requires_grad_() for t in inputs]
+            compiled = torch.compile(lambda *args, op=op, fused=fused: op(*args, fused), fullgraph=True)
+
+            def step(compiled=compiled, leaves=leaves, grad=grad):
+                compiled(*leaves).backward(grad)
+
+            ms[fused] = statistics.median(cuda_time_ms(step, warmup=3, repeats=repeats))
+        out.append({"function": name, "tensor_ops_ms": ms[False], "fused_ms": ms[True]})
+        print(f"{name:<30}{ms[False]:14.3f}{ms[True]:10.3f}{ms[False] / ms[True]:9.2f}x", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--skip-functions", action="store_true", help="only the kernels, not the compiled Functions")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_mhc_kernels.json"))
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -61,10 +95,12 @@ def main(argv=None) -> int:
     for from_source in (False, True):
         xs, s = (None, src) if from_source else (x, (None,) * 4)
         read_x = stream + (vec if from_source else 0)
-        cases.append(("mix", from_source, "", lambda xs=xs, s=s: K.mix_backward(g, xs, h, p, y, s),
-                      2 * stream + read_x + 2 * vec))  # fmt: skip
-        cases.append(("collapse", from_source, "", lambda xs=xs, s=s: K.collapse_backward(y, xs, p, s),
-                      stream + read_x + vec))  # fmt: skip
+        for bh, nw in TOKEN_TILINGS:
+            tiling = f"block_h {bh}, warps {nw}"
+            cases.append(("mix", from_source, tiling, lambda xs=xs, s=s, bh=bh, nw=nw: K.mix_backward(g, xs, h, p, y, s, bh, nw),
+                          2 * stream + read_x + 2 * vec))  # fmt: skip
+            cases.append(("collapse", from_source, tiling, lambda xs=xs, s=s, bh=bh, nw=nw: K.collapse_backward(y, xs, p, s, bh, nw),
+                          stream + read_x + vec))  # fmt: skip
         for bt, tpg, nw in PROJECTION_TILINGS:
             cases.append(("projection", from_source, f"block_t {bt}, group {tpg}, warps {nw}",
                           lambda xs=xs, s=s, bt=bt, tpg=tpg, nw=nw: K.projection_backward(draw, coef, folded, xs, s, bt, tpg, nw),
@@ -77,12 +113,12 @@ def main(argv=None) -> int:
         ms = statistics.median(cuda_time_ms(fn, warmup=3, repeats=a.repeats))
         rows.append({"kernel": name, "from_source": from_source, "tiling": tiling, "ms": ms,
                      "gb_per_s": nbytes / ms / 1e6, "bytes": nbytes, "rel_errors": errs})  # fmt: skip
-        print(f"{name:<11}{str(from_source):>7}  {tiling:<32}{ms:8.3f}{nbytes / ms / 1e6:8.0f}  "
+        print(f"{name:<11}{from_source!s:>7}  {tiling:<32}{ms:8.3f}{nbytes / ms / 1e6:8.0f}  "
               + ", ".join(f"{e:.1e}" for e in errs), flush=True)  # fmt: skip
+    functions = [] if a.skip_functions else function_rows(x, g, h, p, y, n, H, a.repeats)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(
-        json.dumps({"gpu": torch.cuda.get_device_name(), "T": T, "n": n, "H": H, "rows": rows}, indent=1)
-    )
+    report = {"gpu": torch.cuda.get_device_name(), "T": T, "n": n, "H": H, "rows": rows, "functions": functions}
+    Path(a.out).write_text(json.dumps(report, indent=1))
     print(f"wrote {a.out}")
     return 0
 

@@ -1,14 +1,12 @@
 """Triton kernels of mHC's stream-wide backward (`layers.mhc`), imported only where triton is.
 
 Selected by `[model] mhc_backward = "fused"` (default "tensor_ops": inductor compiles the Functions' tensor ops).
-Status: correct (tests/layers/test_mhc_kernels.py, Triton interpreter; the first version also on the H200). The
-first version was SLOWER than inductor's code on the H200 (bench_vs_torchtitan ours_nomtp+adamw@accum,
-motif3_proxy, 64K tokens per step: 2054 vs 2006 ms per step; per launch at 16K tokens, n 4, H 4096:
-mix 4.0 ms, projection 2.2 ms, collapse 0.6 ms, against ~0.3-0.5 ms of DRAM traffic each; compile time fell,
-first step 113 -> 98 s). Its [n, n, BLOCK_H] broadcasts and per-step reductions were the suspects, so the per-token
-products are now tensor-core dots on tiles padded to 16 rows. This version has NOT run on a GPU:
-bench/bench_mhc_kernels.py times each kernel (inductor's code for the same work took ~5.3 ms per sub-layer, all
-three together), and `bench_vs_torchtitan.py --mhc-backward fused` the step.
+Status: correct (tests/layers/test_mhc_kernels.py in the Triton interpreter; the second version also on the H200). Timings on the
+H200 (bench/bench_mhc_kernels.py, 16K tokens, n 4, H 4096): the first version (3D [n, n, BLOCK_H] broadcasts,
+per-step reductions) took mix 4.0 ms, projection 2.2 ms, collapse 0.6 ms per launch and made the step slower
+(bench_vs_torchtitan ours_nomtp+adamw@accum: 2054 vs 2006 ms); the second (per-token products as tf32x3 dots on
+tiles padded to 16 rows) took collapse 0.45 ms (2.7 TB/s) and projection 1.3 ms, but mix 206 ms. The per-token
+kernels are now plain fp32 FMAs on 2D tiles (below); the bench compares them with inductor's code side by side.
 
 Each kernel reads the n-wide stream once and does every stream-wide piece of one autograd Function's backward
 in that pass, with the per-token reductions in registers (the mHC paper's fused kernels with recompute,
@@ -20,6 +18,7 @@ arXiv 2512.24880):
                      weight gradient draw^T vec(X) as per-token-group partial sums (added by the caller, so the
                      result does not depend on scheduling); K = 2n + n^2 is tiny, so the "GEMMs" are rank-K
                      products done with tl.dot in 3xTF32 (about fp32 accuracy) on the tile in registers.
+  (mix and collapse: one program per token; projection: one per column block and token group.)
 
 The stream X is either given or rebuilt in registers from its source (X = mix(X0, H0, p0, y0), `StreamSource`),
 rounded to X's dtype as the forward stored it, so the mid-block stream never exists in memory in backward.
@@ -34,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK_H = 256  # stream columns per step of the per-token kernels
+_BLOCK_H = 128  # stream columns per step of the per-token kernels
+_NUM_WARPS = 4  # warps per program of the per-token kernels
 _BLOCK_T = 32  # tokens per tile of the projection kernel (tl.dot needs >= 16)
 _TOKENS_PER_GROUP = 1024  # tokens whose weight-gradient partials one program of the projection kernel sums
 
@@ -57,76 +57,79 @@ def _store(ptr, x, mask):
 
 
 @triton.jit
-def _source_coefficients(sh_ptr, sp_ptr, t, ri, ci, n: tl.constexpr):
-    """[R, R] fp32: [H0 | p0] of the source, row j = (H0[j, 0..n-1], p0[j]), zero padded; times [X0; y0] it gives
-    the stream rows."""
-    c0 = tl.load(sh_ptr + t * n * n + ri * n + ci, mask=(ri < n) & (ci < n), other=0.0)
-    return c0 + tl.load(sp_ptr + t * n + ri + 0 * ci, mask=(ri < n) & (ci == n), other=0.0)
-
-
-@triton.jit
-def _stream_tile(x_ptr, c0, sy_ptr, t, ri, c, cvalid, n: tl.constexpr, H: tl.constexpr, FROM_SOURCE: tl.constexpr):
-    """fp32 [R, BLOCK_H] tile of X[t, :, c] (rows >= n zero): loaded, or rebuilt from the source as
-    [H0 | p0] [X0; y0] (3xTF32 dot, about fp32) and rounded to X's dtype as the forward stored it."""
-    rows = (ri < n) & cvalid[None, :]
+def _stream_rows(x_ptr, sh_ptr, sp_ptr, sy_ptr, t, rows, rvalid, c, cvalid, n: tl.constexpr, H: tl.constexpr,
+                 FROM_SOURCE: tl.constexpr):  # fmt: skip
+    """fp32 [len(rows), BLOCK_H] tile of X[t, rows, c] (rows may repeat; invalid rows are 0): loaded, or rebuilt
+    from the source as X[j] = sum_l H0[j, l] X0[l] + p0[j] y0 (fp32 FMAs over the n source rows, each read once
+    per tile and broadcast to every row) and rounded to X's dtype as the forward stored it."""
     if FROM_SOURCE:
-        src = tl.load(x_ptr + t * n * H + ri * H + c[None, :], mask=rows, other=0.0).to(tl.float32)
-        src += tl.load(sy_ptr + t * H + c[None, :] + 0 * ri, mask=(ri == n) & cvalid[None, :], other=0.0).to(tl.float32)
-        return _round_like(tl.dot(c0, src, input_precision="tf32x3"), x_ptr.dtype.element_ty)
-    return tl.load(x_ptr + t * n * H + ri * H + c[None, :], mask=rows, other=0.0).to(tl.float32)
+        acc = (
+            tl.load(sp_ptr + t * n + rows, mask=rvalid, other=0.0)[:, None]
+            * tl.load(sy_ptr + t * H + c, mask=cvalid, other=0.0).to(tl.float32)[None, :]
+        )
+        for l in tl.static_range(n):
+            hl = tl.load(sh_ptr + t * n * n + rows * n + l, mask=rvalid, other=0.0)
+            acc += hl[:, None] * tl.load(x_ptr + t * n * H + l * H + c, mask=cvalid, other=0.0).to(tl.float32)[None, :]
+        return _round_like(acc, x_ptr.dtype.element_ty)  # 0 where masked: every load above gives 0 there
+    mask = rvalid[:, None] & cvalid[None, :]
+    return tl.load(x_ptr + t * n * H + rows[:, None] * H + c[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
-# The per-token kernels pad the n streams (plus one row for y) to R = 16 rows, the least tl.dot takes, and do the
-# per-token products as tensor-core dots (3xTF32: about fp32) accumulated over the column steps: no per-step
-# reductions and no 3D broadcasts (the first version's [n, n, BLOCK_H] products ran at ~0.5 TB/s on the H200).
+# One program per token; the per-token products are fp32 FMAs on 2D tiles whose rows are (stream, stream) pairs,
+# accumulated over the column steps and reduced once at the end: no tensor-core dots on padded tiles (the second
+# version's 16-row tf32x3 dots took 206 ms per launch on the H200), no 3D broadcasts and no per-step reductions
+# (the first version's [n, n, BLOCK_H] products took 4.0 ms).
 @triton.jit
 def _mix_backward_kernel(
     g_ptr, x_ptr, sh_ptr, sp_ptr, sy_ptr, h_ptr, p_ptr, y_ptr,
     dx_ptr, dh_ptr, dp_ptr, dy_ptr,
-    H: tl.constexpr, n: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, FROM_SOURCE: tl.constexpr,
+    H: tl.constexpr, n: tl.constexpr, NO: tl.constexpr, NPAIR: tl.constexpr, BLOCK_H: tl.constexpr,
+    FROM_SOURCE: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
-    r = tl.arange(0, R)
-    ri, ci = r[:, None], r[None, :]
-    # [R(j), R(i)]: row j < n is column j of H (dX[j] = sum_i H[i, j] g[i]), row n is p (dy = sum_i p[i] g[i])
-    coef = tl.load(h_ptr + t * n * n + ci * n + ri, mask=(ri < n) & (ci < n), other=0.0)
-    coef += tl.load(p_ptr + t * n + ci + 0 * ri, mask=(ri == n) & (ci < n), other=0.0)
-    c0 = _source_coefficients(sh_ptr, sp_ptr, t, ri, ci, n) if FROM_SOURCE else coef
-    acc = tl.zeros((R, R), dtype=tl.float32)
+    o = tl.arange(0, NO)  # output rows: o < n is dX[o], o == n is dy
+    # pair rows q = i * (n + 1) + j: dH[i, j] = sum_c g[i] X[j] (j < n), dp[i] = sum_c g[i] y (j == n)
+    q = tl.arange(0, NPAIR)
+    qi, qj = q // (n + 1), q % (n + 1)
+    qvalid = qi < n
+    acc = tl.zeros((NPAIR, BLOCK_H), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         c = h0 + tl.arange(0, BLOCK_H)
         cvalid = c < H
-        g = tl.load(g_ptr + t * n * H + ri * H + c[None, :], mask=(ri < n) & cvalid[None, :], other=0.0)
-        g = g.to(tl.float32)
-        out = tl.dot(coef, g, input_precision="tf32x3")
-        _store(dx_ptr + t * n * H + ri * H + c[None, :], out, (ri < n) & cvalid[None, :])
-        _store(dy_ptr + t * H + c[None, :] + 0 * ri, out, (ri == n) & cvalid[None, :])
-        xy = _stream_tile(x_ptr, c0, sy_ptr, t, ri, c, cvalid, n, H, FROM_SOURCE)
-        xy += tl.load(y_ptr + t * H + c[None, :] + 0 * ri, mask=(ri == n) & cvalid[None, :], other=0.0).to(tl.float32)
-        # [R(i), R(j)]: dH[i, j] = sum_c g[i] X[j] (j < n), dp[i] = sum_c g[i] y (j = n)
-        acc += tl.dot(g, tl.trans(xy), input_precision="tf32x3")
-    tl.store(dh_ptr + t * n * n + ri * n + ci, acc, mask=(ri < n) & (ci < n))
-    tl.store(dp_ptr + t * n + ri + 0 * ci, acc, mask=(ri < n) & (ci == n))
+        out = tl.zeros((NO, BLOCK_H), dtype=tl.float32)  # dX[j] = sum_i H[i, j] g[i], dy = sum_i p[i] g[i]
+        for i in tl.static_range(n):
+            gi = tl.load(g_ptr + t * n * H + i * H + c, mask=cvalid, other=0.0).to(tl.float32)
+            coef = tl.load(h_ptr + t * n * n + i * n + o, mask=o < n, other=0.0)
+            coef += tl.load(p_ptr + t * n + i + 0 * o, mask=o == n, other=0.0)
+            out += coef[:, None] * gi[None, :]
+        _store(dx_ptr + t * n * H + o[:, None] * H + c[None, :], out, (o < n)[:, None] & cvalid[None, :])
+        _store(dy_ptr + t * H + c[None, :] + 0 * o[:, None], out, (o == n)[:, None] & cvalid[None, :])
+        g = tl.load(g_ptr + t * n * H + qi[:, None] * H + c[None, :], mask=qvalid[:, None] & cvalid[None, :], other=0.0)
+        xy = _stream_rows(x_ptr, sh_ptr, sp_ptr, sy_ptr, t, qj, qvalid & (qj < n), c, cvalid, n, H, FROM_SOURCE)
+        yrow = (qvalid & (qj == n))[:, None] & cvalid[None, :]
+        xy += tl.load(y_ptr + t * H + c[None, :] + 0 * q[:, None], mask=yrow, other=0.0).to(tl.float32)
+        acc += g.to(tl.float32) * xy
+    pair = tl.sum(acc, axis=1)
+    tl.store(dh_ptr + t * n * n + qi * n + qj, pair, mask=qvalid & (qj < n))
+    tl.store(dp_ptr + t * n + qi, pair, mask=qvalid & (qj == n))
 
 
 @triton.jit
 def _collapse_backward_kernel(
     gu_ptr, x_ptr, sh_ptr, sp_ptr, sy_ptr, h_ptr, dx_ptr, dh_ptr,
-    H: tl.constexpr, n: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, FROM_SOURCE: tl.constexpr,
+    H: tl.constexpr, n: tl.constexpr, NP: tl.constexpr, BLOCK_H: tl.constexpr, FROM_SOURCE: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
-    r = tl.arange(0, R)
-    ri, ci = r[:, None], r[None, :]
-    h = tl.load(h_ptr + t * n + ri, mask=ri < n, other=0.0)  # [R, 1]
-    c0 = _source_coefficients(sh_ptr, sp_ptr, t, ri, ci, n) if FROM_SOURCE else tl.zeros((R, R), dtype=tl.float32)
-    acc = tl.zeros((R, BLOCK_H), dtype=tl.float32)
+    r = tl.arange(0, NP)
+    h = tl.load(h_ptr + t * n + r, mask=r < n, other=0.0)[:, None]  # [NP, 1]
+    acc = tl.zeros((NP, BLOCK_H), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         c = h0 + tl.arange(0, BLOCK_H)
         cvalid = c < H
         gu = tl.load(gu_ptr + t * H + c, mask=cvalid, other=0.0).to(tl.float32)[None, :]
-        _store(dx_ptr + t * n * H + ri * H + c[None, :], h * gu, (ri < n) & cvalid[None, :])
-        acc += _stream_tile(x_ptr, c0, sy_ptr, t, ri, c, cvalid, n, H, FROM_SOURCE) * gu  # dh[i] = sum_c X[i] gu
-    tl.store(dh_ptr + t * n + r, tl.sum(acc, axis=1), mask=r < n)
+        _store(dx_ptr + t * n * H + r[:, None] * H + c[None, :], h * gu, (r < n)[:, None] & cvalid[None, :])
+        acc += _stream_rows(x_ptr, sh_ptr, sp_ptr, sy_ptr, t, r, r < n, c, cvalid, n, H, FROM_SOURCE) * gu
+    tl.store(dh_ptr + t * n + r, tl.sum(acc, axis=1), mask=r < n)  # dh[i] = sum_c X[i] gu
 
 
 @triton.jit
@@ -167,11 +170,6 @@ def _projection_backward_kernel(
     tl.store(dw_part_ptr + group * K * D + k[:, None] * D + d[None, :], acc_w, mask=kvalid[:, None])
 
 
-def _rows_padded(n: int) -> int:
-    """R: the n streams and one more row (y, or p), padded to a power of two of at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(n + 1))
-
-
 def _source_args(x: torch.Tensor, source: tuple) -> tuple:
     """(stream or X0, H0, p0, y0, FROM_SOURCE) as kernel arguments; the unused pointers get the stream."""
     if source[0] is None:
@@ -180,9 +178,10 @@ def _source_args(x: torch.Tensor, source: tuple) -> tuple:
     return x0.contiguous(), h0.contiguous(), p0.contiguous(), y0.contiguous(), True
 
 
-def mix_backward(g_TnH, x_TnH, h_Tnn, p_Tn, y_TH, source=(None,) * 4):
+def mix_backward(g_TnH, x_TnH, h_Tnn, p_Tn, y_TH, source=(None,) * 4, block_h=_BLOCK_H, num_warps=_NUM_WARPS):
     """(dX [T, n, H] in X's dtype, dH [T, n, n] fp32, dp [T, n] fp32, dy [T, H] in y's dtype) of
-    X' = H X + p y, from g = dX'; X given, or rebuilt from `source` (X0, H0, p0, y0)."""
+    X' = H X + p y, from g = dX'; X given, or rebuilt from `source` (X0, H0, p0, y0). block_h, num_warps: the
+    tiling (bench/bench_mhc_kernels.py compares some)."""
     T, n, H = g_TnH.shape
     xs, sh, sp, sy, from_source = _source_args(x_TnH, source)
     dtype = (source[0] if from_source else x_TnH).dtype
@@ -192,13 +191,15 @@ def mix_backward(g_TnH, x_TnH, h_Tnn, p_Tn, y_TH, source=(None,) * 4):
     dy = torch.empty(T, H, dtype=y_TH.dtype, device=g_TnH.device)
     _mix_backward_kernel[(T,)](
         g_TnH.contiguous(), xs, sh, sp, sy, h_Tnn.contiguous(), p_Tn.contiguous(), y_TH.contiguous(),
-        dx, dh, dp, dy, H, n, _rows_padded(n), _BLOCK_H, from_source,
+        dx, dh, dp, dy, H, n, triton.next_power_of_2(n + 1), triton.next_power_of_2(n * (n + 1)), block_h, from_source,
+        num_warps=num_warps,
     )  # fmt: skip
     return dx, dh, dp, dy
 
 
-def collapse_backward(gu_TH, x_TnH, h_Tn, source=(None,) * 4):
-    """(dX [T, n, H] in X's dtype, dh [T, n] fp32) of u = sum_i h[i] X[i], from gu = du."""
+def collapse_backward(gu_TH, x_TnH, h_Tn, source=(None,) * 4, block_h=_BLOCK_H, num_warps=_NUM_WARPS):
+    """(dX [T, n, H] in X's dtype, dh [T, n] fp32) of u = sum_i h[i] X[i], from gu = du (block_h, num_warps: as
+    in `mix_backward`)."""
     T, H = gu_TH.shape
     xs, sh, sp, sy, from_source = _source_args(x_TnH, source)
     n = h_Tn.shape[1]
@@ -206,7 +207,8 @@ def collapse_backward(gu_TH, x_TnH, h_Tn, source=(None,) * 4):
     dx = torch.empty(T, n, H, dtype=dtype, device=gu_TH.device)
     dh = torch.empty(T, n, dtype=torch.float32, device=gu_TH.device)
     _collapse_backward_kernel[(T,)](
-        gu_TH.contiguous(), xs, sh, sp, sy, h_Tn.contiguous(), dx, dh, H, n, _rows_padded(n), _BLOCK_H, from_source,
+        gu_TH.contiguous(), xs, sh, sp, sy, h_Tn.contiguous(), dx, dh, H, n, triton.next_power_of_2(n), block_h,
+        from_source, num_warps=num_warps,
     )  # fmt: skip
     return dx, dh
 
