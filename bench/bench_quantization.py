@@ -13,7 +13,11 @@
     python bench/bench_quantization.py layers --tiny               # a smoke run at tiny sizes
 Writes bench/results/bench_quantization.json (or --out) after every part, so a run cut short keeps its parts.
 Time on the H200 (torch 2.11): `layers` compiles every layer once per recipe, ~65 s per layer with fp8_rowwise and
-fp8_blockwise (5 attention layers took 330 s), so run it alone in a 10-minute command.
+fp8_blockwise (5 attention layers took 330 s), so run it alone in a 10-minute command. `curve` at 300 steps: the
+bf16 run took 265 s (eager), so the fp8 run goes in a call of its own, against the saved bf16 curve:
+
+    python bench/bench_quantization.py curve --curve-steps 300 --curve-recipes fp8_rowwise \
+        --curve-baseline bench/results/bench_quantization_curve_session6_bf16_only.json
 """
 
 from __future__ import annotations
@@ -220,6 +224,13 @@ def loss_curve(recipe: str, tiny: bool, steps: int) -> dict:
     }  # fmt: skip
 
 
+def baseline_curves(path: str, steps: int) -> dict:
+    """The curves of an earlier JSON of this script that ran `steps` steps (the others cannot be compared: the LR
+    schedule depends on the step count), each marked with the file it came from."""
+    curves = json.loads(Path(path).read_text()).get("curves", {})
+    return {r: {**c, "from": path} for r, c in curves.items() if len(c["losses"]) == steps}
+
+
 def curve_summary(base: list[float], quant: list[float]) -> dict:
     """Loss gap statistics over the last quarter of the run (and the step-to-step noise of bf16 there)."""
     n = len(base) // 4
@@ -243,6 +254,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--steps", type=int, default=6, help="timed train steps per recipe (step part)")
     p.add_argument("--curve-steps", type=int, default=200)
+    p.add_argument("--curve-recipes", default="none,fp8_rowwise", help="comma-separated recipes of the curve part")
+    p.add_argument("--curve-baseline", help="a JSON this script wrote: its curves (e.g. the bf16 one, 'none') are "
+                   "reused instead of run again, when they have the same steps (curves run from the same seed and batches)")  # fmt: skip
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_quantization.json"))
     a = p.parse_args(argv)
     a.parts = a.parts or ["layers", "step", "curve"]
@@ -304,7 +318,12 @@ def main(argv=None) -> int:
 
     if "curve" in a.parts:
         curves = {}
-        for recipe in ("none", "fp8_rowwise"):
+        if a.curve_baseline:
+            curves = baseline_curves(a.curve_baseline, a.curve_steps)
+            print(f"curves reused from {a.curve_baseline}: {sorted(curves) or 'none of that length'}")
+        for recipe in [r.strip() for r in a.curve_recipes.split(",") if r.strip()]:
+            if recipe in curves:
+                continue
             try:
                 curves[recipe] = loss_curve(recipe, a.tiny, a.curve_steps)
                 print(
@@ -315,7 +334,7 @@ def main(argv=None) -> int:
                 status = 1
             report["curves"] = curves
             save()
-        if len(curves) == 2:
+        if "none" in curves and "fp8_rowwise" in curves:
             base, quant = curves["none"]["losses"], curves["fp8_rowwise"]["losses"]
             every = max(1, len(base) // 8)
             print("curve step " + "".join(f"{s + 1:>7}" for s in range(0, len(base), every)))

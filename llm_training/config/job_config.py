@@ -72,8 +72,8 @@ class Model:
     )
     mhc_backward: str = option(
         "tensor_ops",
-        "mHC's backward over the n streams: tensor_ops (inductor compiles it) or fused (three Triton kernels, "
-        "CUDA only; experimental: the first version measured slower on the H200, bench/bench_mhc_kernels.py)",
+        "mHC's backward over the n streams: tensor_ops (inductor compiles it) or fused (the collapse and mix "
+        "backward as two Triton kernels, CUDA only; experimental: the step 1.012x on the H200, bench/bench_mhc_kernels.py)",
         choices=("tensor_ops", "fused"),
     )
 

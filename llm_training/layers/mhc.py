@@ -26,8 +26,9 @@ fused pre/post work, recompute in backward):
     keeps only its fp32 input, not the Sinkhorn iterates. On CUDA the Sinkhorn steps are one fused Triton
     kernel each way (`layers.sinkhorn`: an op torch.compile does not trace, whose backward recomputes the
     iterates in registers), which keeps about half of the nodes out of a compiled block's graph.
-  * `[model] mhc_backward = "fused"` (CUDA): the three Functions' backward runs one Triton kernel each over the
-    stream instead of tensor ops (`layers.mhc_ops`, `layers.mhc_kernels`: experimental, not yet faster).
+  * `[model] mhc_backward = "fused"` (CUDA): the collapse and mix Functions' backward runs one Triton kernel each
+    over the stream instead of tensor ops (`layers.mhc_ops`, `layers.mhc_kernels`; on the H200 the step 1.012x).
+    The norm + projection backward stays tensor ops (a fused kernel for it measured 0.83x and was removed).
   * Recompute of the mid-block stream: the stream after the attention update, X1 = mix(X0, H_res, h_post, y),
     is NOT saved: the FFN sub-layer's Functions get its `StreamSource` (X0 and the attention update's
     coefficients and output, which that update keeps anyway) and rebuild X1 in their backward. A block then
@@ -130,9 +131,7 @@ class MHC(nn.Module):
     def projections(self, x_BSnH: torch.Tensor, source: StreamSource | None = None) -> torch.Tensor:
         """[p, q, vec(R)] = RMSNorm_gamma(vec(X)) [proj_pre; proj_post; proj_res]^T, fp32 [B, S, 2n + n^2]."""
         weights = (self.proj_pre.weight, self.proj_post.weight, self.proj_res.weight)
-        return _StreamNormProjection.apply(
-            x_BSnH, self.norm.weight, self.norm.eps, self.fused_backward, *weights, *(source or _NO_SOURCE)
-        )
+        return _StreamNormProjection.apply(x_BSnH, self.norm.weight, self.norm.eps, *weights, *(source or _NO_SOURCE))
 
     def _coefficients_from_projections(self, pqr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = self.n
@@ -254,7 +253,7 @@ class _StreamNormProjection(torch.autograd.Function):
     per-layer weight copy is kept either)."""
 
     @staticmethod
-    def forward(ctx, x_BSnH, gamma_D, eps, fused, w_pre, w_post, w_res, *source):
+    def forward(ctx, x_BSnH, gamma_D, eps, w_pre, w_post, w_res, *source):
         _, folded_KD = _folded_weight(gamma_D, (w_pre, w_post, w_res))
         xf_TD = x_BSnH.reshape(-1, folded_KD.shape[1])
         ct = torch.promote_types(x_BSnH.dtype, folded_KD.dtype)
@@ -262,13 +261,11 @@ class _StreamNormProjection(torch.autograd.Function):
         sq_T = torch.linalg.vector_norm(xf_TD, dim=-1, dtype=ct).square()
         rstd_T = torch.rsqrt(sq_T / xf_TD.shape[1] + eps)
         pqr_TK = matmul_fp32(xf_TD, folded_KD.t(), out_dtype=ct) * rstd_T[:, None]
-        _save_stream(ctx, x_BSnH, fused, source, gamma_D, w_pre, w_post, w_res, rstd_T, pqr_TK)
+        _save_stream(ctx, x_BSnH, False, source, gamma_D, w_pre, w_post, w_res, rstd_T, pqr_TK)
         return pqr_TK.view(*x_BSnH.shape[:-2], folded_KD.shape[0])
 
     @staticmethod
     def backward(ctx, dpqr):
-        if ctx.fused:
-            return _StreamNormProjection._backward_fused(ctx, dpqr)
         x_BSnH, (gamma_D, w_pre, w_post, w_res, rstd_T, pqr_TK) = _load_stream(ctx)
         w_KD, folded_KD = _folded_weight(gamma_D, (w_pre, w_post, w_res))
         xf_TD = x_BSnH.reshape(-1, folded_KD.shape[1])
@@ -289,25 +286,8 @@ class _StreamNormProjection(torch.autograd.Function):
                 gemm = matmul_fp32(draw_TK[s : s + step], folded_KD, out_dtype=ct, split_fp32_pair=True)
                 dx_TD[s : s + step] = torch.addcmul(gemm, xf_TD[s : s + step], coef_T1[s : s + step])
             dx = dx_TD.view(x_BSnH.shape)
-        need_w = any(ctx.needs_input_grad[i] for i in (1, 4, 5, 6))
+        need_w = any(ctx.needs_input_grad[i] for i in (1, 3, 4, 5))
         dfolded_KD = matmul_fp32(draw_TK.t(), xf_TD, out_dtype=folded_KD.dtype) if need_w else None
-        return (
-            dx,
-            *_StreamNormProjection._weight_grads(ctx, dfolded_KD, gamma_D, w_KD, (w_pre, w_post, w_res)),
-            *[None] * ctx.n_source,
-        )
-
-    @staticmethod
-    def _backward_fused(ctx, dpqr):
-        """The backward as one kernel over the stream (`mhc_ops.projection_backward`): dX and W~'s gradient."""
-        x_TnH, source, (gamma_D, w_pre, w_post, w_res, rstd_T, pqr_TK) = _saved_stream(ctx)
-        shape = (source[0] if x_TnH is None else x_TnH).shape
-        w_KD, folded_KD = _folded_weight(gamma_D, (w_pre, w_post, w_res))
-        draw_TK, dmean_T = _StreamNormProjection._raw_grads(dpqr, rstd_T, pqr_TK)
-        coef_T = dmean_T * (2.0 / folded_KD.shape[1])
-        rows = [None if t is None else _token_rows(t) for t in (x_TnH, *source)]
-        dx, dfolded_KD = mhc_ops.projection_backward(draw_TK, coef_T, folded_KD, *rows)
-        dx = dx.view(shape) if ctx.needs_input_grad[0] else None
         return (
             dx,
             *_StreamNormProjection._weight_grads(ctx, dfolded_KD, gamma_D, w_KD, (w_pre, w_post, w_res)),
@@ -323,15 +303,15 @@ class _StreamNormProjection(torch.autograd.Function):
 
     @staticmethod
     def _weight_grads(ctx, dfolded_KD, gamma_D, w_KD, weights) -> tuple:
-        """(dgamma, None for eps and fused, dW_pre, dW_post, dW_res) from dW~ (W~ = W * gamma)."""
+        """(dgamma, None for eps, dW_pre, dW_post, dW_res) from dW~ (W~ = W * gamma)."""
         need = ctx.needs_input_grad
         dgamma = (dfolded_KD * w_KD).sum(0).to(gamma_D.dtype) if need[1] else None
         dws, start = [], 0
         for k, w in enumerate(weights):
             rows = slice(start, start + w.shape[0])
-            dws.append((dfolded_KD[rows] * gamma_D.to(dfolded_KD.dtype)).to(w.dtype) if need[4 + k] else None)
+            dws.append((dfolded_KD[rows] * gamma_D.to(dfolded_KD.dtype)).to(w.dtype) if need[3 + k] else None)
             start += w.shape[0]
-        return dgamma, None, None, *dws
+        return dgamma, None, *dws
 
 
 class _CollapseStreams(torch.autograd.Function):

@@ -1,12 +1,14 @@
 """Triton kernels of mHC's stream-wide backward (`layers.mhc`), imported only where triton is.
 
 Selected by `[model] mhc_backward = "fused"` (default "tensor_ops": inductor compiles the Functions' tensor ops).
-Status: correct (tests/layers/test_mhc_kernels.py in the Triton interpreter; the second version also on the H200). Timings on the
-H200 (bench/bench_mhc_kernels.py, 16K tokens, n 4, H 4096): the first version (3D [n, n, BLOCK_H] broadcasts,
-per-step reductions) took mix 4.0 ms, projection 2.2 ms, collapse 0.6 ms per launch and made the step slower
-(bench_vs_torchtitan ours_nomtp+adamw@accum: 2054 vs 2006 ms); the second (per-token products as tf32x3 dots on
-tiles padded to 16 rows) took collapse 0.45 ms (2.7 TB/s) and projection 1.3 ms, but mix 206 ms. The per-token
-kernels are now plain fp32 FMAs on 2D tiles (below); the bench compares them with inductor's code side by side.
+Status: correct (tests/layers/test_mhc_kernels.py in the Triton interpreter; outputs checked against fp32 tensor
+ops on the H200 by bench/bench_mhc_kernels.py). Measured on the H200 (16K tokens, n 4, H 4096, each Function
+forward + backward compiled, tensor_ops vs fused in the same run): mix 3.76 -> 2.88 ms (1.31x), collapse 1.55 ->
+1.49 ms (1.04x); the step (bench_vs_torchtitan ours_nomtp+adamw@accum, 64K tokens) 1981.6 -> 1958.6 ms (1.012x)
+with the projection kernel that was then still fused (0.83x on its own; so it was removed and the norm +
+projection backward stays tensor ops). History: the first version's [n, n, BLOCK_H] broadcasts and per-step
+reductions took mix 4.0 ms per launch and made the step slower (2054 vs 2006 ms); the second's per-token
+products as tf32x3 dots on tiles padded to 16 rows took mix 206 ms.
 
 Each kernel reads the n-wide stream once and does every stream-wide piece of one autograd Function's backward
 in that pass, with the per-token reductions in registers (the mHC paper's fused kernels with recompute,
@@ -14,17 +16,13 @@ arXiv 2512.24880):
 
   mix_backward       X' = H X + p y:   dX = H^T g, dH = g X^T, dp = g . y, dy = p . g
   collapse_backward  u = h . X:        dX = h gu, dh = X . gu
-  projection_backward  pqr = rstd * (vec(X) W~^T):  dX = draw W~ + c X (fp32 inside, one rounding), and the
-                     weight gradient draw^T vec(X) as per-token-group partial sums (added by the caller, so the
-                     result does not depend on scheduling); K = 2n + n^2 is tiny, so the "GEMMs" are rank-K
-                     products done with tl.dot in 3xTF32 (about fp32 accuracy) on the tile in registers.
-  (mix and collapse: one program per token; projection: one per column block and token group.)
 
+One program per token; the stream width H is stepped through in BLOCK_H columns (any H: the last step is masked).
 The stream X is either given or rebuilt in registers from its source (X = mix(X0, H0, p0, y0), `StreamSource`),
 rounded to X's dtype as the forward stored it, so the mid-block stream never exists in memory in backward.
 Reductions over H and over n are fp32; their order differs from the torch path (tests/layers/test_mhc_kernels.py
-holds both to fp32 rounding). The stream width H is a compile-time constant (one specialisation per model width,
-and the Triton interpreter's loops need constant bounds).
+holds both to fp32 rounding). H is a compile-time constant (one specialisation per
+model width, and the Triton interpreter's loops need constant bounds).
 """
 
 from __future__ import annotations
@@ -35,8 +33,6 @@ import triton.language as tl
 
 _BLOCK_H = 128  # stream columns per step of the per-token kernels
 _NUM_WARPS = 4  # warps per program of the per-token kernels
-_BLOCK_T = 32  # tokens per tile of the projection kernel (tl.dot needs >= 16)
-_TOKENS_PER_GROUP = 1024  # tokens whose weight-gradient partials one program of the projection kernel sums
 
 
 @triton.jit
@@ -132,44 +128,6 @@ def _collapse_backward_kernel(
     tl.store(dh_ptr + t * n + r, tl.sum(acc, axis=1), mask=r < n)  # dh[i] = sum_c X[i] gu
 
 
-@triton.jit
-def _projection_backward_kernel(
-    draw_ptr, coef_ptr, w_ptr, x_ptr, sh_ptr, sp_ptr, sy_ptr, dx_ptr, dw_part_ptr,
-    T, H: tl.constexpr, K: tl.constexpr, n: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    TOKENS_PER_GROUP: tl.constexpr, FROM_SOURCE: tl.constexpr,
-):  # fmt: skip
-    D = n * H
-    d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)  # columns of vec(X), all in stream d // H (H % BLOCK_D == 0)
-    group = tl.program_id(1)
-    stream = (tl.program_id(0) * BLOCK_D) // H
-    col = d - stream * H
-    k = tl.arange(0, KP)
-    kvalid = k < K
-    w = tl.load(w_ptr + k[:, None] * D + d[None, :], mask=kvalid[:, None], other=0.0)  # W~ [KP, BLOCK_D]
-    acc_w = tl.zeros((KP, BLOCK_D), dtype=tl.float32)
-    for t0 in range(0, TOKENS_PER_GROUP, BLOCK_T):
-        t = group * TOKENS_PER_GROUP + t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-        tvalid = t < T
-        mask = tvalid[:, None] & (col[None, :] >= 0)
-        draw = tl.load(draw_ptr + t[:, None] * K + k[None, :], mask=tvalid[:, None] & kvalid[None, :], other=0.0)
-        coef = tl.load(coef_ptr + t, mask=tvalid, other=0.0)
-        if FROM_SOURCE:
-            x = tl.load(sp_ptr + t[:, None] * n + stream, mask=tvalid[:, None], other=0.0) * tl.load(
-                sy_ptr + t[:, None] * H + col[None, :], mask=mask, other=0.0
-            ).to(tl.float32)
-            xs = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-            for l in tl.static_range(n):
-                hl = tl.load(sh_ptr + t[:, None] * n * n + stream * n + l, mask=tvalid[:, None], other=0.0)
-                xs += hl * tl.load(x_ptr + t[:, None] * D + l * H + col[None, :], mask=mask, other=0.0).to(tl.float32)
-            x = _round_like(xs + x, x_ptr.dtype.element_ty)
-        else:
-            x = tl.load(x_ptr + t[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        dx = tl.dot(draw, w, input_precision="tf32x3") + coef[:, None] * x
-        _store(dx_ptr + t[:, None] * D + d[None, :], dx, mask)
-        acc_w += tl.dot(tl.trans(draw), x, input_precision="tf32x3")
-    tl.store(dw_part_ptr + group * K * D + k[:, None] * D + d[None, :], acc_w, mask=kvalid[:, None])
-
-
 def _source_args(x: torch.Tensor, source: tuple) -> tuple:
     """(stream or X0, H0, p0, y0, FROM_SOURCE) as kernel arguments; the unused pointers get the stream."""
     if source[0] is None:
@@ -213,37 +171,4 @@ def collapse_backward(gu_TH, x_TnH, h_Tn, source=(None,) * 4, block_h=_BLOCK_H, 
     return dx, dh
 
 
-def projection_block(H: int) -> int | None:
-    """Columns per program of `projection_backward` for stream width H (a power of two <= 128 dividing H, at least
-    16 for tl.dot), or None when H has no such divisor."""
-    for b in (128, 64, 32, 16):
-        if H % b == 0:
-            return b
-    return None
-
-
-def projection_backward(
-    draw_TK, coef_T, folded_KD, x_TnH, source=(None,) * 4, block_t=_BLOCK_T, tokens_per_group=_TOKENS_PER_GROUP,
-    num_warps=4,
-):  # fmt: skip
-    """(dX [T, n, H] in X's dtype, dW~ [K, D] fp32) of pqr = rstd * (vec(X) W~^T) given draw = dpqr * rstd and
-    c = (2 / D) d(mean sq): dX = draw W~ + c X, dW~ = draw^T vec(X). block_t, tokens_per_group, num_warps: the
-    tiling (bench/bench_mhc_kernels.py compares some)."""
-    T, K = draw_TK.shape
-    xs, sh, sp, sy, from_source = _source_args(x_TnH, source)
-    n, H = xs.shape[-2:]
-    D = n * H
-    block_d = projection_block(H)
-    dtype = xs.dtype
-    dx = torch.empty(T, n, H, dtype=dtype, device=draw_TK.device)
-    groups = triton.cdiv(T, tokens_per_group)
-    dw_parts = torch.empty(groups, K, D, dtype=torch.float32, device=draw_TK.device)
-    _projection_backward_kernel[(D // block_d, groups)](
-        draw_TK.float().contiguous(), coef_T.float().contiguous(), folded_KD.float().contiguous(), xs, sh, sp, sy,
-        dx, dw_parts, T, H, K, n, max(16, triton.next_power_of_2(K)), block_t, block_d, tokens_per_group,
-        from_source, num_warps=num_warps,
-    )  # fmt: skip
-    return dx, dw_parts.sum(0)
-
-
-__all__ = ["collapse_backward", "mix_backward", "projection_backward", "projection_block"]
+__all__ = ["collapse_backward", "mix_backward"]

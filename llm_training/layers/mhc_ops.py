@@ -1,6 +1,6 @@
 """The fused mHC backward kernels (`layers.mhc_kernels`) as custom ops, opaque to torch.compile, and the rule
-for when `layers.mhc` uses them: CUDA tensors of a floating dtype up to fp32, triton installed, and a stream width
-that the projection kernel tiles (a multiple of 16). Elsewhere mHC's backward runs as tensor ops.
+for when `layers.mhc` uses them: CUDA tensors of a floating dtype up to fp32 and triton installed. Elsewhere
+mHC's backward runs as tensor ops.
 
 Every op takes the stream either as `x` or as its source (x0, h0, p0, y0: X = mix(X0, H0, p0, y0)), the other
 left None. (No `from __future__ import annotations` here: the op schemas are inferred from the annotations.)
@@ -23,7 +23,7 @@ def _kernels():
 
 def uses_stream_kernels(x: Tensor) -> bool:
     """Whether mHC's backward runs the fused kernels for a stream like `x` [..., n, H]."""
-    return TRITON_AVAILABLE and x.is_cuda and x.dtype in _KERNEL_DTYPES and x.shape[-1] % 16 == 0
+    return TRITON_AVAILABLE and x.is_cuda and x.dtype in _KERNEL_DTYPES
 
 
 def _stream_shape(x: Optional[Tensor], x0: Optional[Tensor]) -> tuple:
@@ -67,20 +67,4 @@ def _(gu, x, h, x0, h0, p0, y0):
     return gu.new_empty(_stream_shape(x, x0), dtype=_stream_dtype(x, x0)), h.new_empty(h.shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("llm_training::mhc_projection_bwd", mutates_args=())
-def projection_backward(
-    draw: Tensor, coef: Tensor, folded: Tensor, x: Optional[Tensor],
-    x0: Optional[Tensor], h0: Optional[Tensor], p0: Optional[Tensor], y0: Optional[Tensor],
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """pqr = rstd * (vec(X) W~^T) over [T, n, H] streams: (dX = draw W~ + coef X, dW~ = draw^T vec(X), fp32)."""
-    return _kernels().projection_backward(draw, coef, folded, x, (x0, h0, p0, y0))
-
-
-@projection_backward.register_fake
-def _(draw, coef, folded, x, x0, h0, p0, y0):
-    return draw.new_empty(_stream_shape(x, x0), dtype=_stream_dtype(x, x0)), folded.new_empty(
-        folded.shape, dtype=torch.float32
-    )
-
-
-__all__ = ["collapse_backward", "mix_backward", "projection_backward", "uses_stream_kernels"]
+__all__ = ["collapse_backward", "mix_backward", "uses_stream_kernels"]

@@ -222,7 +222,7 @@ def test_stream_norm_projection_gradcheck_every_input():
     x = torch.randn(2, 2, n, H, dtype=torch.float64, requires_grad=True)
     gamma = torch.rand(n * H, dtype=torch.float64).add(0.5).requires_grad_()
     ws = [torch.randn(k, n * H, dtype=torch.float64, requires_grad=True) for k in (n, n, n * n)]
-    torch.autograd.gradcheck(lambda *t: _StreamNormProjection.apply(t[0], t[1], 1e-6, False, *t[2:]), (x, gamma, *ws))
+    torch.autograd.gradcheck(lambda *t: _StreamNormProjection.apply(t[0], t[1], 1e-6, *t[2:]), (x, gamma, *ws))
     # with a source: x is rebuilt from it, so the gradient flows to the source through the update
     h_res = torch.rand(2, 2, n, n, dtype=torch.float64, requires_grad=True)
     h_post = torch.rand(2, 2, n, dtype=torch.float64, requires_grad=True)
@@ -231,7 +231,7 @@ def test_stream_norm_projection_gradcheck_every_input():
     def from_source(x0, h_res, h_post, y, gamma):
         src = StreamSource(x0, h_res, h_post, y)
         x1 = MHC.update(*src)
-        pqr = _StreamNormProjection.apply(x1, gamma, 1e-6, False, *ws, *src)
+        pqr = _StreamNormProjection.apply(x1, gamma, 1e-6, *ws, *src)
         return pqr, MHC.collapse(x1, pqr[..., :n], src), MHC.update(x1, h_res, h_post, 2 * y, src)
 
     torch.autograd.gradcheck(from_source, (x, h_res, h_post, y, gamma))

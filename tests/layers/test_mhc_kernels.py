@@ -44,7 +44,7 @@ def _close_norm(got, want, tol=1e-4):
     assert err < tol, err
 
 
-CASES = [(4, 64), (4, 272), (3, 48)]  # (n, H): 272 = one full and one partial 256-column step
+CASES = [(4, 64), (4, 272), (3, 40)]  # (n, H): 272 = two full 128-column steps and a partial one; 40: no multiple of 16
 
 
 @pytest.mark.parametrize("from_source", [False, True])
@@ -77,24 +77,6 @@ def test_collapse_backward(n, H, from_source):
     dx, dh = mhc_ops.collapse_backward(gu, xarg, h, *src)
     _close(dx, h.double()[:, :, None] * gu.double()[:, None, :], 1e-2)
     _close_norm(dh, torch.einsum("tic,tc->ti", x.double(), gu.double()))
-
-
-@pytest.mark.parametrize("from_source", [False, True])
-@pytest.mark.parametrize("n,H", CASES)
-def test_projection_backward(n, H, from_source):
-    """dX = draw W~ + c X with one rounding, and dW~ = draw^T vec(X) summed over token groups: T spans two groups
-    of the kernel (1024 tokens) and a partial token tile."""
-    T, K = 1100, 2 * n + n * n
-    (x, *source), gen = _inputs(T, n, H)
-    draw = torch.randn(T, K, generator=gen).to(KERNEL_DEVICE)
-    coef = torch.randn(T, generator=gen).to(KERNEL_DEVICE) * 0.1
-    folded = (torch.randn(K, n * H, generator=gen) * 0.05).to(KERNEL_DEVICE)
-    xarg, *src = _args(x, source, from_source)
-    dx, dfolded = mhc_ops.projection_backward(draw, coef, folded, xarg, *src)
-    xf = x.double().reshape(T, n * H)
-    want_dx = draw.double() @ folded.double() + coef.double()[:, None] * xf
-    _close(dx.reshape(T, n * H), want_dx, 1e-2)
-    _close_norm(dfolded, draw.double().t() @ xf)
 
 
 def _block_grads(use_kernels: bool, monkeypatch, compiled: bool = False) -> dict:

@@ -1,0 +1,31 @@
+"""bench/bench_quantization.py's CPU-side logic: reusing a saved curve and the loss-gap summary (the benchmark
+itself needs a CUDA GPU)."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import bench_quantization  # noqa: E402
+
+
+def test_baseline_curves_keep_only_runs_of_the_same_length(tmp_path):
+    saved = tmp_path / "curve.json"
+    curves = {"none": {"losses": [3.0, 2.0, 1.0]}, "fp8_rowwise": {"losses": [3.0, 2.5]}}
+    saved.write_text(json.dumps({"curves": curves}))
+    got = bench_quantization.baseline_curves(str(saved), 3)
+    assert list(got) == ["none"]
+    assert got["none"]["losses"] == [3.0, 2.0, 1.0] and got["none"]["from"] == str(saved)
+    assert bench_quantization.baseline_curves(str(saved), 5) == {}
+
+
+def test_curve_summary_measures_the_gap_over_the_last_quarter():
+    base = [4.0 - 0.1 * i for i in range(16)]
+    quant = [b + 0.02 for b in base]
+    summary = bench_quantization.curve_summary(base, quant)
+    assert math.isclose(summary["mean_gap_last_quarter"], 0.02, abs_tol=1e-12)
+    assert math.isclose(summary["mean_abs_gap_last_quarter"], 0.02, abs_tol=1e-12)
+    assert math.isclose(summary["bf16_step_noise_last_quarter"], 0.0, abs_tol=1e-12)  # a straight line
+    assert math.isclose(summary["final_fp8"] - summary["final_bf16"], 0.02, abs_tol=1e-12)
