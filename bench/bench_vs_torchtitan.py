@@ -19,8 +19,10 @@ Groups (same tokens per optimizer step within a group; select with --cases, comm
 A case name (ours@compiled, torchtitan@accum, ...) selects one case. `--quantize fp8_rowwise,...` adds our two
 systems again under each low-precision recipe ([quantize] recipe; e.g. "ours_nomtp+adamw+fp8_rowwise@accum"),
 and the ratio table then also gives each one's speed-up over the same case in bf16; `--mhc-backward fused` likewise
-adds them with [model] mhc_backward = "fused" ("...+mhc_fused@accum"). `--size tiny` runs every case at the tiny
-CPU shape (motif3_debug and its matched DeepSeek-V3) for a smoke test.
+adds them with [model] mhc_backward = "fused" ("...+mhc_fused@accum"). `--warm-restart` runs each compiled case once
+more over the compile caches of its first run, as a restarted run with [compile] cache_folder starts: the table adds
+its first-step time. `--size tiny` runs every case at the tiny CPU shape (motif3_debug and its matched DeepSeek-V3)
+for a smoke test.
 
     python bench/bench_vs_torchtitan.py                         # all groups at the proxy shape (GPU)
     python bench/bench_vs_torchtitan.py --cases compiled,accum  # a subset
@@ -434,21 +436,36 @@ def profile_kernel_groups(step, first_index: int, steps: int) -> tuple[list[dict
 
 
 # ---------------------------------------------------------------------------------------------- driver
-def run_case_subprocess(case: Case, timeout_s: float, log_dir: Path, alloc_conf: str = "") -> dict:
+def run_case_subprocess(
+    case: Case, timeout_s: float, log_dir: Path, alloc_conf: str = "", warm_restart: bool = False
+) -> dict:
     """Run `case` in a fresh interpreter (its own process group, killed whole on timeout); the row, or a FAIL row
     with the reason (timeout, exit status and the last line of its stderr, e.g. CUDA out of memory).
-    `alloc_conf`: PYTORCH_CUDA_ALLOC_CONF of the case (the same for every system)."""
-    result = log_dir / f"{case.name.replace('@', '_').replace('+', '_')}.json"
-    log = result.with_suffix(".log")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(dataclasses.asdict(case)),
-           "--result", str(result)]  # fmt: skip
+    `alloc_conf`: PYTORCH_CUDA_ALLOC_CONF of the case (the same for every system). `warm_restart`: a compiled case
+    then runs once more (one step) in a new interpreter over the compile caches the first run left, as a restarted
+    run with `[compile] cache_folder` does; the row's "warm_restart" gives that run's first-step and compile times."""
     # a fresh inductor / triton cache per case (outside log_dir, which keeps only logs and results): the first-step
     # time is a cold compile, whatever ran before
-    cache = Path(tempfile.mkdtemp(prefix=f"bench_vs_torchtitan_cache_{result.stem}_"))
+    stem = case.name.replace("@", "_").replace("+", "_")
+    cache = Path(tempfile.mkdtemp(prefix=f"bench_vs_torchtitan_cache_{stem}_"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
            "TRITON_CACHE_DIR": str(cache / "triton")}  # fmt: skip
     if alloc_conf:
         env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    row = _run_worker_process(case, timeout_s, log_dir / f"{stem}.json", env)
+    if warm_restart and case.compiled and "error" not in row:
+        again = dataclasses.replace(case, steps=1, warmup=0, profile_steps=0)
+        warm = _run_worker_process(again, timeout_s, log_dir / f"{stem}_warm_restart.json", env)
+        row["warm_restart"] = {k: warm.get(k) for k in ("first_step_s", "compile_time_s", "error", "case_wall_s")}
+    shutil.rmtree(cache, ignore_errors=True)
+    return row
+
+
+def _run_worker_process(case: Case, timeout_s: float, result: Path, env: dict) -> dict:
+    """One worker interpreter for `case` (environment `env`) writing `result`: its row, or a FAIL row."""
+    log = result.with_suffix(".log")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(dataclasses.asdict(case)),
+           "--result", str(result)]  # fmt: skip
     start = time.perf_counter()
     with open(log, "w") as log_f:
         proc = subprocess.Popen(cmd, stdout=log_f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -460,7 +477,6 @@ def run_case_subprocess(case: Case, timeout_s: float, log_dir: Path, alloc_conf:
             proc.wait()
             rc, reason = None, f"timeout after {timeout_s:.0f} s"
     wall = time.perf_counter() - start
-    shutil.rmtree(cache, ignore_errors=True)
     if reason is None and result.exists():
         row = json.loads(result.read_text())
     else:
@@ -524,6 +540,11 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
             f"{_pct(r['mfu_torchtitan']):>8}{_num(r['peak_reserved_gib'], '.1f'):>9}{r['first_step_s']:>7.1f}"
             f"{r['unique_graphs']:>7}{r['recompiles']:>7}{r['case_wall_s']:>7.0f}"
         )
+    for r in rows:
+        warm = r.get("warm_restart")
+        if warm:
+            what = f"FAIL {warm['error']}" if warm.get("error") else f"first step {warm['first_step_s']:.1f} s"
+            lines.append(f"{r['case']:<36}restarted over its compile cache: {what} (cold {r['first_step_s']:.1f} s)")
     if ratio_rows:
         lines.append("ours / torchtitan, and low precision / bf16 (same group = same tokens per step):")
         lines.append(f"{'case':<36}{'vs':<30}{'tok/s':>8}{'TF/s ours-conv':>16}{'TF/s tt-conv':>14}")
@@ -552,6 +573,8 @@ def main(argv=None) -> int:
         default="expandable_segments:True",
         help="PYTORCH_CUDA_ALLOC_CONF of every case (default: what torchtitan's run_train.sh sets)",
     )
+    p.add_argument("--warm-restart", action="store_true", help="run each compiled case once more over the compile "
+                   "caches of its first run (a restarted run): first-step time with warm caches")  # fmt: skip
     p.add_argument("--out", default=str(BENCH_DIR / "results" / "bench_vs_torchtitan.json"))
     p.add_argument("--log-dir", help="where each case's log and result JSON go as it ends (default: a temp folder)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one case's JSON, run in this process
@@ -569,7 +592,7 @@ def main(argv=None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for case in cases:
-        row = run_case_subprocess(case, a.timeout, log_dir, a.alloc_conf)
+        row = run_case_subprocess(case, a.timeout, log_dir, a.alloc_conf, a.warm_restart)
         status = "FAIL " + row["error"] if "error" in row else f"{row['tokens_per_s']:.0f} tok/s"
         print(f"[{time.strftime('%H:%M:%S')}] {case.name}: {row['case_wall_s']:.0f} s, {status}", flush=True)
         rows.append(row)

@@ -150,3 +150,25 @@ def test_tiny_end_to_end_run_writes_rows_and_ratios(tmp_path):
         ours, titan = result["rows"]
         assert ours["gflop_per_token_megatron"] > titan["gflop_per_token_megatron"]  # MTP block + head counted
         assert [q["case"] for q in result["ratios"]] == ["ours@eager"]
+
+
+def test_warm_restart_reruns_a_compiled_case_over_the_caches_of_its_first_run(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_worker(case, timeout_s, result, env):
+        calls.append((case, result.name, env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"]))
+        first = 12.5 if "warm" in result.name else 95.0
+        return {**_row(case.system, case.group, 30000.0, 300.0, 350.0), "first_step_s": first, "compile_time_s": {}}
+
+    monkeypatch.setattr(bvt, "_run_worker_process", fake_worker)
+    compiled = bvt.Case("ours_nomtp", "accum", "proxy", "adamw", 3, 2, profile_steps=1)
+    row = bvt.run_case_subprocess(compiled, 100.0, tmp_path, warm_restart=True)
+    (cold, cold_file, *cold_cache), (warm, warm_file, *warm_cache) = calls
+    assert cold == compiled and cold_file == "ours_nomtp_adamw_accum.json"
+    assert (warm.steps, warm.warmup, warm.profile_steps) == (1, 0, 0) and warm_file.endswith("_warm_restart.json")
+    assert warm_cache == cold_cache  # the same inductor and triton caches
+    assert row["first_step_s"] == 95.0 and row["warm_restart"]["first_step_s"] == 12.5
+    assert "restarted over its compile cache: first step 12.5 s (cold 95.0 s)" in bvt.format_table([row], [])
+    calls.clear()
+    bvt.run_case_subprocess(bvt.Case("ours", "eager", "proxy", "muon", 1, 1), 100.0, tmp_path, warm_restart=True)
+    assert len(calls) == 1  # an eager case compiles nothing: no restart
