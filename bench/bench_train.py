@@ -85,7 +85,7 @@ def build_trainer(
     optimizer: str | None = None,
     device: str = "cuda",
     quantize: str = "none",
-    mhc_backward: str = "tensor_ops",
+    mhc_backward: str = "auto",
 ) -> Trainer:
     """Our real Trainer (build_model + parallelize + optimizers + loss) for `flavor` on random data, as a training
     run builds it: bf16 FSDP2 mixed precision on CUDA (a 1-rank process group), fp32 on CPU. `accum` micro-batches

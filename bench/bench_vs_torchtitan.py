@@ -18,8 +18,9 @@ Groups (same tokens per optimizer step within a group; select with --cases, comm
   accum     4 micro-batches of 4 x seq_len per optimizer step (64K tokens at seq 4096), compiled
 A case name (ours@compiled, torchtitan@accum, ...) selects one case. `--quantize fp8_rowwise,...` adds our two
 systems again under each low-precision recipe ([quantize] recipe; e.g. "ours_nomtp+adamw+fp8_rowwise@accum"),
-and the ratio table then also gives each one's speed-up over the same case in bf16; `--mhc-backward fused` likewise
-adds them with [model] mhc_backward = "fused" ("...+mhc_fused@accum"). `--warm-restart` runs each compiled case once
+and the ratio table then also gives each one's speed-up over the same case in bf16; `--mhc-backward tensor_ops`
+likewise adds them with that [model] mhc_backward ("...+mhc_tensor_ops@accum"; the plain rows run the default,
+auto: the fused mHC backward kernels on the GPU), with the plain row's ratio to it. `--warm-restart` runs each compiled case once
 more over the compile caches of its first run, as a restarted run with [compile] cache_folder starts: the table adds
 its first-step time. `--size tiny` runs every case at the tiny CPU shape (motif3_debug and its matched DeepSeek-V3)
 for a smoke test.
@@ -89,13 +90,13 @@ class Case:
     warmup: int
     profile_steps: int = 0  # optimizer steps profiled after timing (CUDA): kernel time by cost group
     recipe: str = "none"  # our systems: the [quantize] recipe (torchtitan: always "none", bf16)
-    mhc_backward: str = "tensor_ops"  # our systems: [model] mhc_backward
+    mhc_backward: str = "auto"  # our systems: [model] mhc_backward (auto = the default config)
 
     @property
     def name(self) -> str:
         opt = f"+{self.optimizer}" if self.system == "ours_nomtp" else ""
         quant = f"+{self.recipe}" if self.recipe != "none" else ""
-        mhc = "+mhc_fused" if self.mhc_backward == "fused" else ""
+        mhc = f"+mhc_{self.mhc_backward}" if self.mhc_backward != "auto" else ""
         return f"{self.system}{opt}{quant}{mhc}@{self.group}"
 
     @property
@@ -137,8 +138,8 @@ def build_cases(
     every = []
     for group in GROUPS:
         n_steps = max(1, steps // 2) if group == "accum" else steps
-        variants = [(r, "tensor_ops") for r in ("none", *(r for r in recipes if r != "none"))]
-        variants += [("none", m) for m in mhc_backwards if m != "tensor_ops"]
+        variants = [(r, "auto") for r in ("none", *(r for r in recipes if r != "none"))]
+        variants += [("none", m) for m in mhc_backwards if m != "auto"]
         for recipe, mhc in variants:
             every.append(Case("ours", group, size, "muon", n_steps, warmup, profile_steps, recipe, mhc))
             every += [
@@ -489,7 +490,7 @@ def _run_worker_process(case: Case, timeout_s: float, result: Path, env: dict) -
 
 def ratios(rows: list[dict]) -> list[dict]:
     """Per group: each of our rows against the torchtitan row of the same group (same tokens per step), and each
-    low-precision or fused-mHC row against the same case in bf16 with the tensor-op mHC backward: tokens/s ratio
+    low-precision or other-mHC-backward row against the same case in bf16 with the default (auto) mHC backward: tokens/s ratio
     and MFU ratio, each system counted in its own real-work convention ("megatron") and in torchtitan's."""
 
     def ok(t: dict) -> bool:
@@ -497,7 +498,7 @@ def ratios(rows: list[dict]) -> list[dict]:
 
     def same_case_in_bf16(r: dict, t: dict) -> bool:
         keys = ("system", "group", "optimizer")
-        plain = t.get("recipe", "none") == "none" and t.get("mhc_backward", "tensor_ops") == "tensor_ops"
+        plain = t.get("recipe", "none") == "none" and t.get("mhc_backward", "auto") == "auto"
         return plain and all(t.get(k) == r.get(k) for k in keys)
 
     out = []
@@ -505,7 +506,7 @@ def ratios(rows: list[dict]) -> list[dict]:
         if r["system"] == "torchtitan" or not ok(r):
             continue
         peers = [next((t for t in rows if t["system"] == "torchtitan" and t["group"] == r["group"] and ok(t)), None)]
-        if r.get("recipe", "none") != "none" or r.get("mhc_backward", "tensor_ops") != "tensor_ops":
+        if r.get("recipe", "none") != "none" or r.get("mhc_backward", "auto") != "auto":
             peers.append(next((t for t in rows if ok(t) and same_case_in_bf16(r, t)), None))
         for peer in filter(None, peers):
             out.append({
@@ -563,8 +564,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=480.0, help="seconds per case before it is killed (FAIL row)")
     p.add_argument("--quantize", default="", help="comma-separated [quantize] recipes (fp8_rowwise, mxfp8, ...): "
                    "our systems again under each, with their speed-up over bf16")  # fmt: skip
-    p.add_argument("--mhc-backward", default="", help="comma-separated [model] mhc_backward values (fused): our "
-                   "systems again with each, with their speed-up over tensor_ops (e.g. ours_nomtp+adamw+mhc_fused@accum)")  # fmt: skip
+    p.add_argument("--mhc-backward", default="", help="comma-separated [model] mhc_backward values (tensor_ops, fused): "
+                   "our systems again with each, against the default auto (e.g. ours_nomtp+adamw+mhc_tensor_ops@accum)")  # fmt: skip
     p.add_argument("--nomtp-optimizers", default="adamw", help="optimizers of the ours_nomtp rows: adamw, muon or both")
     p.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps per case (CUDA): "
                    "kernel time by cost group (bench/kernel_groups.py), printed and in the JSON")  # fmt: skip

@@ -71,10 +71,11 @@ class Model:
         choices=tuple(ATTENTION_BACKENDS),
     )
     mhc_backward: str = option(
-        "tensor_ops",
-        "mHC's backward over the n streams: tensor_ops (inductor compiles it) or fused (the collapse and mix "
-        "backward as two Triton kernels, CUDA only; experimental: the step 1.012x on the H200, bench/bench_mhc_kernels.py)",
-        choices=("tensor_ops", "fused"),
+        "auto",
+        "mHC's backward over the n streams: fused (the collapse and mix backward as two Triton kernels; needs CUDA "
+        "and triton), tensor_ops (inductor compiles the tensor ops), or auto (fused where the stream is on CUDA and "
+        "triton is installed, else tensor_ops)",
+        choices=("auto", "fused", "tensor_ops"),
     )
 
 

@@ -1,6 +1,7 @@
 """Triton kernels of mHC's stream-wide backward (`layers.mhc`), imported only where triton is.
 
-Selected by `[model] mhc_backward = "fused"` (default "tensor_ops": inductor compiles the Functions' tensor ops).
+Used where `[model] mhc_backward` is "auto" (the default) or "fused" and the stream is on CUDA ("tensor_ops":
+inductor compiles the Functions' tensor ops instead).
 Status: correct (tests/layers/test_mhc_kernels.py in the Triton interpreter; outputs checked against fp32 tensor
 ops on the H200 by bench/bench_mhc_kernels.py). Measured on the H200 (16K tokens, n 4, H 4096, each Function
 forward + backward compiled, tensor_ops vs fused in the same run): mix 3.76 -> 2.88 ms (1.31x), collapse 1.55 ->

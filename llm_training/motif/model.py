@@ -52,7 +52,7 @@ class TransformerBlock(nn.Module):
         rope_full: RotaryEmbedding,
         rope_sliding: RotaryEmbedding,
         attention_backend: str = "auto",
-        mhc_backward: str = "tensor_ops",
+        mhc_backward: str = "auto",
     ):
         super().__init__()
         args = args.for_layer(layer_idx)  # per-layer PolyNorm output scale
@@ -80,7 +80,7 @@ class TransformerBlock(nn.Module):
                 eps=args.mhc_eps,
                 identity_init=args.mhc_identity_init,
                 h_post_alpha=args.mhc_h_post_alpha_start,
-                fused_backward=mhc_backward == "fused",
+                fused_backward=mhc_backward != "tensor_ops",  # auto / fused: where `mhc_ops.uses_stream_kernels`
             )
             self.mhc_attn, self.mhc_ffn = MHC(**mhc), MHC(**mhc)
         else:
@@ -120,9 +120,9 @@ class TransformerBlock(nn.Module):
 
 class Motif3Model(nn.Module):
     """The Motif-3 model. `attention_backend` names a kernel of `layers.attention_backends`; `mhc_backward`
-    ("tensor_ops" or "fused") how mHC's backward over the streams runs (`layers.mhc`)."""
+    ("auto", "fused" or "tensor_ops") how mHC's backward over the streams runs (`layers.mhc`)."""
 
-    def __init__(self, args: Motif3ModelArgs, attention_backend: str = "auto", mhc_backward: str = "tensor_ops"):
+    def __init__(self, args: Motif3ModelArgs, attention_backend: str = "auto", mhc_backward: str = "auto"):
         super().__init__()
         args.validate()
         if args.tie_word_embeddings:

@@ -57,16 +57,19 @@ def test_low_precision_rows_are_also_compared_with_bf16():
     }
 
 
-def test_fused_mhc_backward_adds_our_systems_compared_with_the_tensor_op_backward():
-    cases = bvt.build_cases("ours_nomtp+adamw+mhc_fused@accum", "proxy", 6, 2, ["adamw"], mhc_backwards=("fused",))
+def test_another_mhc_backward_adds_our_systems_compared_with_the_default():
+    cases = bvt.build_cases(
+        "ours_nomtp+adamw@accum,ours_nomtp+adamw+mhc_tensor_ops@accum", "proxy", 6, 2, ["adamw"],
+        mhc_backwards=("tensor_ops",),
+    )  # fmt: skip
     assert [(c.name, c.mhc_backward, c.recipe) for c in cases] == [
-        ("ours_nomtp+adamw+mhc_fused@accum", "fused", "none")
-    ]
-    plain = _row("ours_nomtp", "accum", 20000.0, 200.0, 250.0, optimizer="adamw")
-    fused = _row("ours_nomtp", "accum", 22000.0, 220.0, 275.0, optimizer="adamw", mhc_backward="fused")
-    fused["case"] = "ours_nomtp+adamw+mhc_fused@accum"
-    by_pair = {(q["case"], q["vs"]): q["tokens_per_s"] for q in bvt.ratios([plain, fused])}
-    assert by_pair == {("ours_nomtp+adamw+mhc_fused@accum", "ours_nomtp@accum"): pytest.approx(1.1)}
+        ("ours_nomtp+adamw@accum", "auto", "none"), ("ours_nomtp+adamw+mhc_tensor_ops@accum", "tensor_ops", "none")
+    ]  # fmt: skip
+    plain = _row("ours_nomtp", "accum", 22000.0, 220.0, 275.0, optimizer="adamw", mhc_backward="auto")
+    ops = _row("ours_nomtp", "accum", 20000.0, 200.0, 250.0, optimizer="adamw", mhc_backward="tensor_ops")
+    ops["case"] = "ours_nomtp+adamw+mhc_tensor_ops@accum"
+    by_pair = {(q["case"], q["vs"]): q["tokens_per_s"] for q in bvt.ratios([plain, ops])}
+    assert by_pair == {("ours_nomtp+adamw+mhc_tensor_ops@accum", "ours_nomtp@accum"): pytest.approx(20 / 22)}
 
 
 def _row(system, group, tok_s, tf_ours, tf_tt, **kw):

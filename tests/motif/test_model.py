@@ -313,7 +313,7 @@ def test_mhc_backward_choice_reaches_every_mhc_module():
     """`[model] mhc_backward` (Motif3Model's mhc_backward) sets how every block's two MHC modules run backward."""
     from llm_training.layers.mhc import MHC
 
-    for choice, want in (("tensor_ops", {False}), ("fused", {True})):
+    for choice, want in (("tensor_ops", {False}), ("fused", {True}), ("auto", {True})):
         with torch.device("meta"):
             model = Motif3Model(get_flavor("motif3_debug"), mhc_backward=choice)
         mhcs = [m for m in model.modules() if isinstance(m, MHC)]
