@@ -19,7 +19,8 @@ It then prints, per rank, the GPU memory the step needs, from the real objects:
     the whole step and its gradients unsharded through the backward; the largest other FSDP2 group (a block,
     or under expert parallelism a block's experts, which are a group of their own) is all-gathered twice over
     (the group computing and the one prefetched) and its gradients exist unsharded in the compute dtype plus the
-    reduce-scatter input in the reduce dtype;
+    reduce-scatter input in the reduce dtype. Where FSDP2 shards over one rank (`ParallelizedModel.defer_grad_sync`)
+    every group is gathered once per step and stays gathered through it, so all groups count instead of two;
   * activations: the model family's estimate (`ModelSpec.activation_memory`; Motif-3's formula is in
     motif/activation_memory.py) at local_batch_size x seq_len / cp tokens and the configured activation
     checkpointing, plus the loss's buffers (trainer/losses.py: per loss head grad hidden [T, H] in the compute
@@ -99,6 +100,7 @@ class BuiltJob:
     model: nn.Module
     model_args: object
     optimizers: object
+    parallel: object  # the spec's parallelize result (motif: ParallelizedModel)
 
 
 def build_job(job_config, parallel_dims: ParallelDims) -> BuiltJob:
@@ -112,13 +114,13 @@ def build_job(job_config, parallel_dims: ParallelDims) -> BuiltJob:
     with torch.device("meta"):
         model = spec.build_model(model_args, job_config)
     apply_converters(model, job_config)
-    spec.parallelize(model, parallel_dims, job_config, torch.device("cuda"))  # the job's device; nothing allocated
+    parallel = spec.parallelize(model, parallel_dims, job_config, torch.device("cuda"))  # nothing allocated
     materialised = [name for name, p in model.named_parameters() if not p.is_meta]
     if materialised:
         raise RuntimeError(f"dry run: parallelize materialised parameters off the meta device: {materialised[:3]}")
     rules, forbidden = spec.optimizer_rules(job_config.optimizer)
     optimizers = build_optimizers(model, job_config, rules, forbidden)
-    return BuiltJob(model, model_args, optimizers)
+    return BuiltJob(model, model_args, optimizers, parallel)
 
 
 # ---------------------------------------------------------------------------------------- measuring
@@ -240,6 +242,13 @@ class FsdpTransients:
     largest_block_numel: int
     compute_dtype: torch.dtype  # of the gathered parameters and their gradients
     reduce_dtype: torch.dtype  # of the gradient reduce-scatter
+    blocks_numel: int = 0  # every non-root group together
+    gathered_for_the_step: bool = False  # one-rank shards: every group stays gathered through the step
+
+    @property
+    def gathered_numel(self) -> int:
+        """Elements of the non-root groups gathered at the peak: two groups, or all of them for the step."""
+        return self.blocks_numel if self.gathered_for_the_step else 2 * self.largest_block_numel
 
     @property
     def root_bytes(self) -> int:
@@ -247,7 +256,7 @@ class FsdpTransients:
 
     @property
     def all_gather_bytes(self) -> int:
-        return self.largest_block_numel * self.compute_dtype.itemsize
+        return self.gathered_numel * self.compute_dtype.itemsize
 
     @property
     def reduce_scatter_bytes(self) -> int:
@@ -255,16 +264,21 @@ class FsdpTransients:
 
     @property
     def bytes(self) -> int:
-        return self.root_bytes + 2 * self.all_gather_bytes + self.reduce_scatter_bytes
+        return self.root_bytes + self.all_gather_bytes + self.reduce_scatter_bytes
 
 
-def fsdp_transients(shards: dict[int, FsdpShard], compute: torch.dtype, reduce: torch.dtype) -> FsdpTransients:
+def fsdp_transients(
+    shards: dict[int, FsdpShard], compute: torch.dtype, reduce: torch.dtype, gathered_for_the_step: bool = False
+) -> FsdpTransients:
     per_group: dict[str, int] = defaultdict(int)
     for s in shards.values():
         per_group[s.group] += s.unsharded_numel
     blocks = {g: n for g, n in per_group.items() if g != ""}
     largest = max(blocks, key=blocks.get) if blocks else ""
-    return FsdpTransients(per_group.get("", 0), largest, blocks.get(largest, 0), compute, reduce)
+    return FsdpTransients(
+        per_group.get("", 0), largest, blocks.get(largest, 0), compute, reduce, sum(blocks.values()),
+        gathered_for_the_step,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -345,7 +359,7 @@ def measure_rank(job_config, world_size: int, rank: int) -> RankReport:
             ep_rank=parallel_dims.ep_rank(rank),
             params=parameter_memory(job.model, shards),
             optimizer=optimizer_memory(job.optimizers),
-            fsdp=fsdp_transients(shards, compute, reduce),
+            fsdp=fsdp_transients(shards, compute, reduce, job.parallel.defer_grad_sync),
             activations=spec.activation_memory(job.model_args, tokens, job_config.activation_checkpoint.mode, compute),
             loss=loss_buffers(spec.head_weight(job.model), 1 + spec.num_mtp_modules(job.model_args), tokens, compute),
             gpu_bytes=int(job_config.job.dry_run_gpu_memory_gib * GIB),
@@ -413,9 +427,13 @@ def format_rank(r: RankReport) -> str:
     lines += [
         _row("+ FSDP2 root group unsharded, params + grads", f.root_bytes, f"2 x {f.root_numel:,} in {compute}"),
         _row(
-            "+ FSDP2 all-gather x2 of the largest group",
-            2 * f.all_gather_bytes,
-            f"{f.largest_block or '-'}: 2 x {f.largest_block_numel:,} in {compute} (computing + prefetched)",
+            "+ FSDP2 every group gathered for the step"
+            if f.gathered_for_the_step
+            else "+ FSDP2 all-gather x2 of the largest group",
+            f.all_gather_bytes,
+            f"{f.gathered_numel:,} in {compute} (one shard per group: gathered once per step)"
+            if f.gathered_for_the_step
+            else f"{f.largest_block or '-'}: 2 x {f.largest_block_numel:,} in {compute} (computing + prefetched)",
         ),
         _row(
             "+ FSDP2 its unsharded grads + reduce-scatter in",

@@ -89,8 +89,21 @@ def test_fsdp_transients_of_the_debug_model():
     )
     assert r.fsdp.root_numel == root and r.fsdp.root_bytes == 2 * root * 2  # bf16 params + grads
     assert r.fsdp.largest_block == "layers.2"  # the first of the (equal) MoE layers
-    assert r.fsdp.largest_block_numel == moe_layer and r.fsdp.all_gather_bytes == 2 * moe_layer
+    assert r.fsdp.largest_block_numel == moe_layer and not r.fsdp.gathered_for_the_step
+    assert r.fsdp.all_gather_bytes == 2 * 2 * moe_layer  # the group computing and the one prefetched, bf16
     assert r.fsdp.reduce_scatter_bytes == (2 + 4) * moe_layer  # bf16 grads + the fp32 reduce-scatter input
+
+
+def test_one_rank_shards_keep_every_group_gathered_for_the_step():
+    """FSDP2 over one rank (here one GPU) gathers each group once per step and keeps it: all groups count."""
+    r = measure_rank(parse("--job.dry_run_world_size=1"), 1, 0)
+    blocks = sum(
+        math.prod(s)
+        for n, s in unsharded_debug_params()
+        if n.startswith(("layers.", "mtp_layers.")) and not is_fp32_key(n)
+    )
+    assert r.fsdp.gathered_for_the_step and r.fsdp.blocks_numel == blocks
+    assert r.fsdp.all_gather_bytes == 2 * blocks  # bf16
 
 
 # ------------------------------------------------------------------------------- activations and loss buffers
@@ -117,7 +130,7 @@ def test_fits_and_does_not_fit(capsys):
         + r.params.trainable.bytes
         + sum(g.state_bytes for g in r.optimizer)
         + r.fsdp.root_bytes
-        + 2 * r.fsdp.all_gather_bytes
+        + r.fsdp.all_gather_bytes
         + r.fsdp.reduce_scatter_bytes
         + r.activations.saved_bytes
         + max(r.loss.kept_bytes + r.loss.chunk_bytes, r.activations.recompute_bytes)

@@ -69,13 +69,19 @@ class ParallelizedModel:
     context_parallel: Optional[ContextParallelSplit] = None
     # FSDP2 shards over ONE rank (one GPU, or HSDP with dp_shard = 1): its per-micro-batch reduce-scatter is only
     # copies (bf16 grads into an fp32 buffer, the "scatter", an add into the sharded grads: ~150 ms of a 64K-token
-    # step of motif3_proxy on one H200), so gradients accumulate unsharded in fp32 and are reduced once per step
+    # step of motif3_proxy on one H200), so gradients accumulate unsharded in fp32 and are reduced once per step.
+    # Its all-gathers are only copies too (the fp32 -> bf16 cast, then a copy out of the gather buffer: about 80 ms
+    # of that step, twice per micro-batch), so the parameters are also gathered once per step: kept unsharded from
+    # forward to backward (parallelize_motif) and between the micro-batches, resharded by the last backward, before
+    # the optimizer updates the shards.
     defer_grad_sync: bool = False
 
     def set_gradient_sync(self, last_micro_batch: bool) -> None:
-        """Before each micro-batch's backward: whether this backward reduces the gradients (the last one does)."""
+        """Before each micro-batch's backward: whether this backward reduces the gradients and reshards the
+        parameters (the last one does)."""
         if self.defer_grad_sync:
             self.model.set_requires_gradient_sync(last_micro_batch)
+            self.model.set_reshard_after_backward(last_micro_batch)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -131,6 +137,9 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
     expert_modules = [m.experts for m in model.modules() if isinstance(m, MoE)] if expert_plan else []
     expert_mesh = expert_grad_mesh(parallel_dims) if expert_plan else None
     apply_fsdp(model, blocks(model), fsdp_mesh, mp, replicated, expert_modules, expert_mesh)
+    single_shard = mesh["dp_shard_cp"].size() == 1
+    if single_shard:  # one all-gather per optimizer step (ParallelizedModel.defer_grad_sync)
+        model.set_reshard_after_forward(False)
     replicated_sync = ReplicatedGradSync(model, [n for n in replicated if n not in expert_names], dist.group.WORLD)
     expert_fp32 = [n for n in replicated if n in expert_names]
 
@@ -144,5 +153,5 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
         fsdp=True,
         sync_replicated_grads=sync_replicated_grads,
         context_parallel=cp_split,
-        defer_grad_sync=mesh["dp_shard_cp"].size() == 1,
+        defer_grad_sync=single_shard,
     )

@@ -4,7 +4,8 @@ synthetic global batches (4 packed rows of 64 tokens per step, documents crossin
 boundaries and sliding-window layers reaching across them), each data rank taking its rows of them, and reports
 the global loss of every step.
 
-Layouts: 1 process | FSDP 2 | HSDP 2 x 1 (gradients reduced on the last micro-batch only) | EP 2 | FSDP 2 x EP 2
+Layouts: 1 process | FSDP 2 | HSDP 2 x 1 (gradients reduced on the last micro-batch only, parameters gathered once
+per step) | EP 2 | FSDP 2 x EP 2
 (4 ranks) | Ulysses CP 2 | ring CP 2 | EP 2 x CP 2 (4 ranks).
 
 Tolerance: 1e-6 relative on every step's loss (measured: at most 5e-8; 1-8 of the 10 steps bitwise equal). Not
@@ -112,6 +113,7 @@ def _worker(rank, world, port, layout, dump_folder, out_file, save_step, resume,
             last = trainer.train_state.step + 1
             export()
         losses, qk_clip_events = {}, 0
+        sharded_at_forward = _probe_sharding(trainer.model) if trainer.parallel.fsdp else []
         while trainer.train_state.step < last:
             trainer.train_state.step += 1
             step = trainer.train_state.step
@@ -122,11 +124,25 @@ def _worker(rank, world, port, layout, dump_folder, out_file, save_step, resume,
                 export()
         if rank == 0:
             result = {"losses": losses, "qk_clip_events": qk_clip_events}
-            torch.save({**result, "defer_grad_sync": trainer.parallel.defer_grad_sync}, out_file)
+            torch.save({**result, "defer_grad_sync": trainer.parallel.defer_grad_sync,
+                        "sharded_at_forward": sharded_at_forward}, out_file)  # fmt: skip
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _probe_sharding(model) -> list[bool]:
+    """A list that gets, at the start of each forward of `model` (before FSDP2's own hooks), whether the first
+    FSDP-managed parameter of block 0 is sharded (a DTensor) or still gathered from an earlier micro-batch."""
+    from torch.distributed.tensor import DTensor
+
+    name = next(f"layers.0.{n}" for n, p in model.layers[0].named_parameters() if isinstance(p, DTensor))
+    seen = []
+    model.register_forward_pre_hook(
+        lambda *_: seen.append(isinstance(model.get_parameter(name), DTensor)), prepend=True
+    )
+    return seen
 
 
 def run_layout(layout, tmp_path, port, save_step=None, resume_from=None, hf_dir=None) -> dict:
@@ -161,8 +177,13 @@ def _assert_same_losses(result, reference, layout):
 def test_layout_losses_equal_one_process(layout, single_process, tmp_path, free_port):
     result = run_layout(layout, tmp_path, free_port)
     _assert_same_losses(result, single_process, layout)
-    # FSDP2 over one rank per shard group (HSDP 2 x 1): gradients reduced once per step, on the last micro-batch
-    assert result["defer_grad_sync"] == (layout == "replicate2"), layout
+    # FSDP2 over one rank per shard group (HSDP 2 x 1): gradients reduced once per step, on the last micro-batch, and
+    # the parameters gathered once per step: each step's second micro-batch (of 2 per rank) finds them gathered
+    single_shard = layout == "replicate2"
+    assert result["defer_grad_sync"] == single_shard, layout
+    if layout in ("fsdp2", "replicate2"):
+        want = [True, not single_shard] * STEPS
+        assert result["sharded_at_forward"] == want, (layout, result["sharded_at_forward"])
 
 
 @pytest.mark.parametrize("layout", ["fsdp2_ep2", "ep2_cp2"])
