@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device script of the harness branch (issue 11 parts 1 and 5): ours vs torchtitan 0.2.2 DeepSeek-V3 on one GPU.
+# Device script of the comparison harness (issue 11 parts 1 and 5): ours vs torchtitan 0.2.2 DeepSeek-V3 on one GPU.
 #   bash scripts/device/harness.sh check             ~80-90 s: the compile (graph reuse on this torch) and FLOP
 #                                                    tests; tiny shape: ours@eager, torchtitan@eager and @compiled,
 #                                                    and (side by side, 80 s limit) ours@compiled, one step each

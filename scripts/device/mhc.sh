@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# mHC / fp32-projection GPU checks and benchmark (branch mhc). Run from the repo root on one H200.
-#   bash scripts/device/mhc.sh check   ~60-90 s: gpu-marked tests of the split-bf16 GEMM, router and fused mHC
-#                                       (eager; then torch.compile, <= 55 s), plus a 4K-token eager smoke run of
-#                                       bench/bench_mhc.py
-#   bash scripts/device/mhc.sh bench   ~2.5-3 min: bench/bench_mhc.py, legacy vs fused mHC at motif3_proxy
-#                                       width, 16K and 64K tokens eager, 16K compiled; router gate rows
-# Writes one file: $OUT/mhc.log (check) or $OUT/mhc.json (bench); prints a compact summary.
+# mHC / fp32-projection GPU checks and benchmark. Run from the repo root on one H200.
+#   bash scripts/device/mhc.sh check   ~100-150 s: gpu-marked tests of the split-bf16 GEMM, router and fused mHC
+#                                       (eager; then torch.compile, <= 55 s), of the fused backward kernels
+#                                       (test_mhc_kernels.py, ~45 s), plus a 4K-token eager smoke run of bench/bench_mhc.py
+#   bash scripts/device/mhc.sh bench   ~4-5 min: bench/bench_mhc.py, legacy vs fused mHC at motif3_proxy
+#                                       width, 16K and 64K tokens eager, 16K compiled; router gate rows; then
+#                                       bench/bench_mhc_kernels.py (the backward kernels, tensor_ops vs fused)
+# Writes $OUT/mhc.log (check) or $OUT/mhc.json and $OUT/mhc_kernels.json (bench); prints a compact summary.
 set -u
 export PYTHONPATH=$PWD:$PWD/activations:$PWD/optimizer:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/mhc_out}
@@ -36,6 +37,8 @@ case "$mode" in
       -m gpu -k "not True"
     step "gpu test, torch.compile of the fused mHC pair" 55 $PY -m pytest -q -p no:cacheprovider \
       tests/layers/test_mhc_gpu.py -m gpu -k "True"
+    step "gpu tests, the fused backward kernels (test_mhc_kernels.py)" 60 $PY -m pytest -q -p no:cacheprovider \
+      tests/layers/test_mhc_kernels.py -m gpu
     step "bench smoke (4K tokens, eager)" 30 $PY bench/bench_mhc.py --tokens 4096 --compile-tokens "" --iters 2 \
       --out "$OUT/mhc_smoke.json"
     rm -f "$OUT/mhc_smoke.json"
@@ -44,6 +47,7 @@ case "$mode" in
   bench)
     step "bench_mhc" 200 $PY bench/bench_mhc.py --tokens 16384,65536 --compile-tokens 16384 --iters 10 \
       --out "$OUT/mhc.json"
+    step "bench_mhc_kernels" 150 $PY bench/bench_mhc_kernels.py --out "$OUT/mhc_kernels.json"
     rm -f "$OUT/mhc.log.tmp"
     ;;
   *)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks and benchmarks of the perf branch (Muon, the linear cross-entropy loss, PolyNorm memory), one H200.
+# GPU checks and benchmarks of Muon, the linear cross-entropy loss and PolyNorm memory, one H200.
 #   bash scripts/device/perf.sh check   (~60-90 s) gpu tests of optimizer/ and the loss, the PolyNorm
 #                                        saved-tensor test, and a tiny smoke run of each benchmark
 #   bash scripts/device/perf.sh bench   (~3 min) bench_optimizer (motif3_small Muon vs AdamW step; motif3_proxy
