@@ -49,6 +49,8 @@ from llm_training.quantization.modules import to_low_precision
 from llm_training.quantization.recipes import LOW_PRECISION, cuda_capability, recipe_problem
 
 DEBUG_TOML = str(PACKAGE_DIR / "motif" / "train_configs" / "debug_cpu.toml")
+# the loss curves differ in the recipe only; the saved bf16 curve (bench/results, session 6) ran this mHC backward
+CURVE_MHC_BACKWARD = "tensor_ops"
 
 
 def runnable_recipes() -> list[str]:
@@ -212,6 +214,7 @@ def loss_curve(recipe: str, tiny: bool, steps: int) -> dict:
         f"--training.seq_len={seq}", f"--training.local_batch_size={batch}", f"--training.steps={steps}",
         "--checkpoint.enable=false", "--metrics.save_jsonl=false", "--metrics.log_freq=1000",
         f"--lr_scheduler.warmup_steps={max(1, steps // 10)}", f"--quantize.recipe={recipe}", "--training.seed=7",
+        f"--model.mhc_backward={CURVE_MHC_BACKWARD}",
     ])  # fmt: skip
     dims = ParallelDims(1, -1, 1, 1, 1)
     device, _ = setup_distributed(cfg.training.device, dims)
@@ -220,15 +223,21 @@ def loss_curve(recipe: str, tiny: bool, steps: int) -> dict:
     torch.cuda.empty_cache()
     return {
         "flavor": flavor, "recipe": recipe, "seq_len": seq, "batch": batch, "seconds": time.perf_counter() - t0,
+        "mhc_backward": CURVE_MHC_BACKWARD,
         "losses": [result.losses[s] for s in sorted(result.losses)],
     }  # fmt: skip
 
 
 def baseline_curves(path: str, steps: int) -> dict:
-    """The curves of an earlier JSON of this script that ran `steps` steps (the others cannot be compared: the LR
-    schedule depends on the step count), each marked with the file it came from."""
+    """The curves of an earlier JSON of this script that ran `steps` steps with this script's mHC backward (the
+    others cannot be compared: the LR schedule depends on the step count), each marked with the file it came from.
+    (Curves saved before the key existed ran tensor_ops, then the default.)"""
     curves = json.loads(Path(path).read_text()).get("curves", {})
-    return {r: {**c, "from": path} for r, c in curves.items() if len(c["losses"]) == steps}
+    return {
+        r: {**c, "from": path}
+        for r, c in curves.items()
+        if len(c["losses"]) == steps and c.get("mhc_backward", "tensor_ops") == CURVE_MHC_BACKWARD
+    }
 
 
 def curve_summary(base: list[float], quant: list[float]) -> dict:

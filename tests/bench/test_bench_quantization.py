@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_quantization  # noqa: E402
 
 
-def test_baseline_curves_keep_only_runs_of_the_same_length(tmp_path):
+def test_baseline_curves_keep_only_runs_of_the_same_length_and_mhc_backward(tmp_path):
     saved = tmp_path / "curve.json"
     curves = {"none": {"losses": [3.0, 2.0, 1.0]}, "fp8_rowwise": {"losses": [3.0, 2.5]}}
     saved.write_text(json.dumps({"curves": curves}))
@@ -19,6 +19,9 @@ def test_baseline_curves_keep_only_runs_of_the_same_length(tmp_path):
     assert list(got) == ["none"]
     assert got["none"]["losses"] == [3.0, 2.0, 1.0] and got["none"]["from"] == str(saved)
     assert bench_quantization.baseline_curves(str(saved), 5) == {}
+    other = {"none": {"losses": [3.0, 2.0, 1.0], "mhc_backward": "fused"}}
+    saved.write_text(json.dumps({"curves": other}))
+    assert bench_quantization.baseline_curves(str(saved), 3) == {}  # another mHC backward: not comparable
 
 
 def test_curve_summary_measures_the_gap_over_the_last_quarter():
