@@ -217,8 +217,13 @@ class OptimizerGroupMemory:
     state_bytes: int
 
 
+def state_dtype(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.dtype:
+    """The dtype of `optimizer`'s state tensors for parameter `p` (Muon: its momentum_dtype, if set)."""
+    return getattr(optimizer, "momentum_dtype", None) or p.dtype
+
+
 def optimizer_memory(optimizers) -> list[OptimizerGroupMemory]:
-    """Per (optimizer, grouping group): state = slots x the local shard, in the parameter's dtype."""
+    """Per (optimizer, grouping group): state = slots x the local shard, in the state dtype (`state_dtype`)."""
     group_of = {id(p): name for name, items in optimizers.grouping.groups.items() for _, p, _ in items}
     rows: dict[tuple[str, tuple[str, ...]], list] = defaultdict(lambda: [0, 0, 0])
     for opt in optimizers.optimizers:
@@ -229,7 +234,7 @@ def optimizer_memory(optimizers) -> list[OptimizerGroupMemory]:
                 n = local_numel(p)
                 row[0] += 1
                 row[1] += n
-                row[2] += len(slots) * n * p.dtype.itemsize
+                row[2] += len(slots) * n * state_dtype(opt, p).itemsize
     return [OptimizerGroupMemory(name, t, n, slots, b) for (name, slots), (t, n, b) in rows.items()]
 
 

@@ -80,6 +80,14 @@ def test_optimizer_state_is_one_muon_momentum_and_two_adamw_moments_per_local_el
         assert rows[f"AdamW ({g})"].tensors == len(grouping.groups[g])
 
 
+def test_bf16_muon_momentum_halves_the_muon_state():
+    base = parse("--job.dry_run_world_size=4")
+    half = parse("--job.dry_run_world_size=4", "--optimizer.muon_momentum_dtype=bfloat16")
+    rows = {kind: {g.name: g for g in measure_rank(c, 4, 0).optimizer} for kind, c in (("fp32", base), ("bf16", half))}
+    assert rows["bf16"]["Muon (muon)"].state_bytes * 2 == rows["fp32"]["Muon (muon)"].state_bytes > 0
+    assert rows["bf16"]["AdamW (adamw_decay)"].state_bytes == rows["fp32"]["AdamW (adamw_decay)"].state_bytes
+
+
 def test_fsdp_transients_of_the_debug_model():
     r = measure_rank(parse("--job.dry_run_world_size=4"), 4, 0)
     a = get_flavor("motif3_debug")

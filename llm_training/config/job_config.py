@@ -142,6 +142,12 @@ class Optimizer:
     momentum: float = option(0.95, "Muon momentum")
     nesterov: bool = option(True, "Nesterov momentum in Muon")
     ns_steps: int = option(5, "Newton-Schulz iterations in Muon")
+    muon_momentum_dtype: str = option(
+        "float32",
+        "dtype of Muon's momentum buffers: bfloat16 halves that state (fp32 arithmetic, rounded store, as DeepSeek-V3 "
+        "keeps AdamW's moments); checkpoints load across the two",
+        choices=("float32", "bfloat16"),
+    )
     adamw_betas: list[float] = option([0.9, 0.95], "AdamW (beta1, beta2)")
     adamw_eps: float = option(1e-8, "AdamW epsilon")
     qk_clip_threshold: float = option(100.0, "QK-clip threshold tau on the max attention logit (0 disables)")

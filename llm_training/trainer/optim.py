@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
 from optimizer import LRScheduler, OptimizersContainer
@@ -34,6 +35,7 @@ def build_optimizers(model: nn.Module, job_config, group_rules, forbidden: tuple
         momentum=o.momentum,
         nesterov=o.nesterov,
         ns_steps=o.ns_steps,
+        muon_momentum_dtype=getattr(torch, o.muon_momentum_dtype),
         adamw_betas=tuple(o.adamw_betas),
         adamw_eps=o.adamw_eps,
         log=logger.info,

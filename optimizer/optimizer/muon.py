@@ -44,7 +44,10 @@ Placement rules (what decides the communication):
     it: its reduce-scatter produces every shard's gradient), since they join the same collectives.
 
 State: `momentum_buffer` per parameter, created with `zeros_like(param)` — a DTensor with the parameter's
-placements for DTensor parameters, so DCP saves/loads it sharded. The buffer follows the spec's
+placements for DTensor parameters, so DCP saves/loads it sharded — in the parameter's dtype, or in
+`momentum_dtype` (bf16 halves the state; the momentum arithmetic stays fp32 and only its store is rounded, the
+way DeepSeek-V3 keeps AdamW's moments in bf16, arXiv 2412.19437 §3.3.2; a checkpoint saved with either dtype loads
+under the other, cast on load). The buffer follows the spec's
 `M = mu M + G` (torch.optim.Muon keeps the EMA `(1 - mu)` times this; NS is scale-invariant, so the updates
 agree up to the 1e-7 epsilon).
 """
@@ -173,6 +176,7 @@ class Muon(torch.optim.Optimizer):
         eps: float = NS_EPS,
         ns_dtype: torch.dtype | None = None,
         comm_dtype: torch.dtype | None = None,
+        momentum_dtype: torch.dtype | None = None,
     ) -> None:
         if lr < 0 or weight_decay < 0 or not 0 <= momentum < 1 or ns_steps < 1:
             raise ValueError(
@@ -187,6 +191,7 @@ class Muon(torch.optim.Optimizer):
         self.eps = eps
         self.ns_dtype = ns_dtype
         self.comm_dtype = comm_dtype
+        self.momentum_dtype = momentum_dtype  # None: the parameter's dtype
         for group in self.param_groups:
             for p in group["params"]:
                 self._check_param(p, group["row_split"])
@@ -237,8 +242,23 @@ class Muon(torch.optim.Optimizer):
         (every NS and all-to-all of a real step)."""
         for group in self.param_groups:
             for p in group["params"]:
-                if "momentum_buffer" not in self.state[p]:
-                    self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self._ensure_momentum(p)
+
+    def _ensure_momentum(self, p: torch.Tensor) -> None:
+        """The zero momentum buffer of `p` (a DTensor like `p` for DTensor parameters), in `momentum_dtype`."""
+        if "momentum_buffer" not in self.state[p]:
+            dtype = self.momentum_dtype or p.dtype
+            self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch.optim's load, then the momentum buffers back in `momentum_dtype` (torch.optim casts floating-point
+        state to the parameter's dtype on load)."""
+        super().load_state_dict(state_dict)
+        if self.momentum_dtype is not None:
+            for state in self.state.values():
+                buf = state.get("momentum_buffer")
+                if buf is not None and buf.dtype != self.momentum_dtype:
+                    state["momentum_buffer"] = buf.to(self.momentum_dtype)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -254,8 +274,7 @@ class Muon(torch.optim.Optimizer):
             if not params:
                 continue
             for p in params:
-                if "momentum_buffer" not in self.state[p]:
-                    self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self._ensure_momentum(p)
             split = group["row_split"]
             for p in params:
                 rows, cols = _matrix_shape(p.shape, split)

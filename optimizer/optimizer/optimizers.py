@@ -83,6 +83,7 @@ def build_optimizers(
     forbidden: Iterable[str] = (),
     ns_dtype: torch.dtype | None = None,
     comm_dtype: torch.dtype | None = None,
+    muon_momentum_dtype: torch.dtype | None = None,
     log: Callable[[str], None] | None = print,
 ) -> OptimizersContainer:
     """Group `model.named_parameters()` by `rules` and build Muon (muon group) + AdamW (the rest) with one
@@ -105,6 +106,7 @@ def build_optimizers(
             ns_steps=ns_steps,
             ns_dtype=ns_dtype,
             comm_dtype=comm_dtype,
+            momentum_dtype=muon_momentum_dtype,
         )
     # One AdamW group per (decay, DTensor or plain): foreach / fused kernels refuse a list that mixes
     # DTensors with plain tensors (FSDP2 with ignored_params, e.g. replicated fp32 router / mHC weights).
