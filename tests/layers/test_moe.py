@@ -196,3 +196,27 @@ def test_sequence_chunked_routed_experts_match_unchunked_with_grads(moe):
         results[-1] += (moe.router.gate.weight.grad.clone(), moe.experts.down_proj.grad.clone())
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)  # fp32 GEMMs of other shapes: rounding only
+
+
+def test_weighted_combine_matches_the_plain_ops_and_saves_only_compute_dtype_rows():
+    """`_WeightedCombine` (the routed experts' combine): the same output and gradients as `y.float() * w` then an
+    fp32 index_add (float64 gradcheck), and with a bf16 y it keeps y in bf16: no fp32 [T*K, H] tensor is saved."""
+    from llm_training.layers.moe import _WeightedCombine
+
+    gen = torch.Generator().manual_seed(3)
+    T, K, H = 6, 3, 5
+    token_of_row = torch.arange(T).repeat_interleave(K)[torch.randperm(T * K, generator=gen)]
+    y = torch.randn(T * K, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.rand(T * K, dtype=torch.float64, generator=gen, requires_grad=True)
+    torch.autograd.gradcheck(lambda y, w: _WeightedCombine.apply(y, w, token_of_row, T, torch.float64), (y, w))
+    want = torch.zeros(T, H, dtype=torch.float64).index_add(0, token_of_row, y * w[:, None])
+    torch.testing.assert_close(_WeightedCombine.apply(y, w, token_of_row, T, torch.float64), want)
+
+    saved = []
+    y16 = y.detach().bfloat16().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = _WeightedCombine.apply(y16, w.detach().float().requires_grad_(), token_of_row, T, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert {(t.dtype, tuple(t.shape)) for t in saved} == {
+        (torch.bfloat16, (T * K, H)), (torch.float32, (T * K,)), (torch.int64, (T * K,))
+    }  # fmt: skip
