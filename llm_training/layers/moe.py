@@ -70,7 +70,8 @@ class _WeightedCombine(torch.autograd.Function):
     """out[t] = sum over the rows r of token t of w[r] y[r], accumulated in fp32 and returned in `out_dtype`
     ([T, H] from expert-output rows y [T*K, H] and fp32 weights w [T*K]). Saves y in its own dtype (bf16 under
     mixed precision), w and the row -> token index: the plain ops (`y.float() * w`, then `index_add`) kept two fp32
-    [T*K, H] tensors, 4x the bytes of bf16 y (~256 KB per token per MoE layer at H 4096, top-8)."""
+    [T*K, H] tensors in eager mode, 4x the bytes of bf16 y (~256 KB per token per MoE layer at H 4096, top-8);
+    compiled, inductor's partitioner already kept only the bf16 rows."""
 
     @staticmethod
     def forward(ctx, y_RH, w_R, token_of_row_R, num_tokens, out_dtype):
