@@ -265,7 +265,7 @@ def main(argv=None) -> int:
     p.add_argument("--curve-steps", type=int, default=200)
     p.add_argument("--curve-recipes", default="none,fp8_rowwise", help="comma-separated recipes of the curve part")
     p.add_argument("--curve-baseline", help="a JSON this script wrote: its curves (e.g. the bf16 one, 'none') are "
-                   "reused instead of run again, when they have the same steps (curves run from the same seed and batches)")  # fmt: skip
+                   "reused instead of run again when they ran the same steps and mHC backward (same seed and batches)")  # fmt: skip
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_quantization.json"))
     a = p.parse_args(argv)
     a.parts = a.parts or ["layers", "step", "curve"]

@@ -20,9 +20,9 @@ A case name (ours@compiled, torchtitan@accum, ...) selects one case. `--quantize
 systems again under each low-precision recipe ([quantize] recipe; e.g. "ours_nomtp+adamw+fp8_rowwise@accum"),
 and the ratio table then also gives each one's speed-up over the same case in bf16; `--mhc-backward tensor_ops`
 likewise adds them with that [model] mhc_backward ("...+mhc_tensor_ops@accum"; the plain rows run the default,
-auto: the fused mHC backward kernels on the GPU), with the plain row's ratio to it. `--warm-restart` runs each compiled case once
-more over the compile caches of its first run, as a restarted run with [compile] cache_folder starts: the table adds
-its first-step time. `--size tiny` runs every case at the tiny CPU shape (motif3_debug and its matched DeepSeek-V3)
+auto: the fused mHC backward kernels on the GPU), with the plain row's ratio to it. `--warm-restart` runs each
+compiled case once more over the compile caches of its first run, as a restarted run with [compile] cache_folder
+starts: the table adds its first-step time. `--size tiny` runs every case at the tiny CPU shape (motif3_debug and its matched DeepSeek-V3)
 for a smoke test.
 
     python bench/bench_vs_torchtitan.py                         # all groups at the proxy shape (GPU)
@@ -490,8 +490,8 @@ def _run_worker_process(case: Case, timeout_s: float, result: Path, env: dict) -
 
 def ratios(rows: list[dict]) -> list[dict]:
     """Per group: each of our rows against the torchtitan row of the same group (same tokens per step), and each
-    low-precision or other-mHC-backward row against the same case in bf16 with the default (auto) mHC backward: tokens/s ratio
-    and MFU ratio, each system counted in its own real-work convention ("megatron") and in torchtitan's."""
+    low-precision or other-mHC-backward row against the same case in bf16 with the default (auto) mHC backward:
+    tokens/s ratio and MFU ratio, each system counted in its own real-work convention ("megatron") and in torchtitan's."""
 
     def ok(t: dict) -> bool:
         return "error" not in t

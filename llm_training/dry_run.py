@@ -219,7 +219,9 @@ class OptimizerGroupMemory:
 
 def state_dtype(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.dtype:
     """The dtype of `optimizer`'s state tensors for parameter `p` (Muon: its momentum_dtype, if set)."""
-    return getattr(optimizer, "momentum_dtype", None) or p.dtype
+    from optimizer import Muon
+
+    return (optimizer.momentum_dtype if isinstance(optimizer, Muon) else None) or p.dtype
 
 
 def optimizer_memory(optimizers) -> list[OptimizerGroupMemory]:

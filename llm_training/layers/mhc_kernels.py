@@ -3,8 +3,8 @@
 Used where `[model] mhc_backward` is "auto" (the default) or "fused" and the stream is on CUDA ("tensor_ops":
 inductor compiles the Functions' tensor ops instead).
 Status: correct (tests/layers/test_mhc_kernels.py and test_mhc_gpu.py pass on the H200 and in the Triton
-interpreter; bench/bench_mhc_kernels.py also checks the outputs against fp32 tensor ops). Measured on the H200 (16K tokens, n 4, H 4096, each Function
-forward + backward compiled, tensor_ops vs fused in the same run): mix 3.76 -> 2.88 ms (1.31x), collapse 1.55 ->
+interpreter; bench/bench_mhc_kernels.py also checks the outputs against fp32 tensor ops). Measured on the H200
+(16K tokens, n 4, H 4096, each Function forward + backward compiled, tensor_ops vs fused in the same run): mix 3.76 -> 2.88 ms (1.31x), collapse 1.55 ->
 1.49 ms (1.04x); the step (bench_vs_torchtitan ours_nomtp+adamw@accum, 64K tokens) 1981.6 -> 1958.6 ms (1.012x)
 with the projection kernel that was then still fused (0.83x on its own; so it was removed and the norm +
 projection backward stays tensor ops). History: the first version's [n, n, BLOCK_H] broadcasts and per-step

@@ -68,7 +68,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
 class _WeightedCombine(torch.autograd.Function):
     """out[t] = sum over the rows r of token t of w[r] y[r], accumulated in fp32 and returned in `out_dtype`
-    ([T, H] from expert-output rows y [T*K, H] and fp32 weights w [T*K]). Saves y in its own dtype (bf16 under
+    ([T, H] from expert-output rows y [T*K, H] and fp32 weights w [T*K]; w None: a plain sum). Saves y in its own dtype (bf16 under
     mixed precision), w and the row -> token index: the plain ops (`y.float() * w`, then `index_add`) kept two fp32
     [T*K, H] tensors in eager mode, 4x the bytes of bf16 y (~256 KB per token per MoE layer at H 4096, top-8);
     compiled, inductor's partitioner already kept only the bf16 rows."""
@@ -76,17 +76,19 @@ class _WeightedCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_RH, w_R, token_of_row_R, num_tokens, out_dtype):
         ctx.save_for_backward(y_RH, w_R, token_of_row_R)
-        acc = torch.promote_types(y_RH.dtype, w_R.dtype)  # fp32 (or wider)
+        acc = torch.promote_types(y_RH.dtype, torch.float32)  # fp32 (or wider)
+        rows = y_RH.to(acc) if w_R is None else y_RH.to(acc) * w_R[:, None]
         out = torch.zeros(num_tokens, y_RH.shape[1], dtype=acc, device=y_RH.device)
-        return out.index_add_(0, token_of_row_R, y_RH.to(acc) * w_R[:, None]).to(out_dtype)
+        return out.index_add_(0, token_of_row_R, rows).to(out_dtype)
 
     @staticmethod
     def backward(ctx, g_TH):
         y_RH, w_R, token_of_row_R = ctx.saved_tensors
-        acc = torch.promote_types(y_RH.dtype, w_R.dtype)
-        g_RH = g_TH.to(acc)[token_of_row_R]  # each row's token's gradient, in the forward's arithmetic
-        dy = (g_RH * w_R[:, None]).to(y_RH.dtype) if ctx.needs_input_grad[0] else None
-        dw = (g_RH * y_RH.to(acc)).sum(-1).to(w_R.dtype) if ctx.needs_input_grad[1] else None
+        g_RH = g_TH.to(torch.promote_types(y_RH.dtype, torch.float32))[token_of_row_R]  # each row's token's grad
+        dy = None
+        if ctx.needs_input_grad[0]:
+            dy = (g_RH if w_R is None else g_RH * w_R[:, None]).to(y_RH.dtype)
+        dw = (g_RH * y_RH.to(g_RH.dtype)).sum(-1).to(w_R.dtype) if ctx.needs_input_grad[1] else None
         return dy, dw, None, None, None
 
 
@@ -250,9 +252,8 @@ class MoE(nn.Module):
         if self.score_before_experts:
             x_rows = (x_rows.float() * row_weight[:, None]).to(x_TH.dtype)
         y_rows = self.experts(x_rows, tokens_per_expert)
-        if self.score_before_experts:  # weighted already: a plain sum
-            row_weight = torch.ones_like(row_weight)
-        return _WeightedCombine.apply(y_rows, row_weight, token_of_row, x_TH.shape[0], x_TH.dtype)
+        combine_weight = None if self.score_before_experts else row_weight  # weighted before: a plain sum
+        return _WeightedCombine.apply(y_rows, combine_weight, token_of_row, x_TH.shape[0], x_TH.dtype)
 
     def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         B, S, H = x_BSH.shape

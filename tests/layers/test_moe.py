@@ -211,6 +211,10 @@ def test_weighted_combine_matches_the_plain_ops_and_saves_only_compute_dtype_row
     torch.autograd.gradcheck(lambda y, w: _WeightedCombine.apply(y, w, token_of_row, T, torch.float64), (y, w))
     want = torch.zeros(T, H, dtype=torch.float64).index_add(0, token_of_row, y * w[:, None])
     torch.testing.assert_close(_WeightedCombine.apply(y, w, token_of_row, T, torch.float64), want)
+    # no weights (score_before_experts: the rows are weighted already): a plain sum
+    torch.autograd.gradcheck(lambda y: _WeightedCombine.apply(y, None, token_of_row, T, torch.float64), (y,))
+    plain = torch.zeros(T, H, dtype=torch.float64).index_add(0, token_of_row, y)
+    torch.testing.assert_close(_WeightedCombine.apply(y, None, token_of_row, T, torch.float64), plain)
 
     saved = []
     y16 = y.detach().bfloat16().requires_grad_()
