@@ -11,6 +11,7 @@
 
     python bench/bench_quantization.py layers step curve          # all three (H200: layers alone > 5 min, below)
     python bench/bench_quantization.py layers --tiny               # a smoke run at tiny sizes
+    python bench/bench_quantization.py layers --layers mlp,experts --recipes fp8_rowwise   # some layers, one recipe
 Writes bench/results/bench_quantization.json (or --out) after every part, so a run cut short keeps its parts.
 Time on the H200 (torch 2.11): `layers` compiles every layer once per recipe, ~65 s per layer with fp8_rowwise and
 fp8_blockwise (5 attention layers took 330 s), so run it alone in a 10-minute command. `curve` at 300 steps: the
@@ -141,14 +142,21 @@ def fwd_bwd_ms(module, inputs, grad, repeats: int) -> tuple[float, torch.Tensor]
     return statistics.median(times), out
 
 
-def bench_layers(tiny: bool, repeats: int) -> list[dict]:
+def selected(name: str, patterns: list[str]) -> bool:
+    """Whether layer `name` is one of `--layers` (substrings of the layer names; empty: every layer)."""
+    return not patterns or any(p in name for p in patterns)
+
+
+def bench_layers(tiny: bool, repeats: int, patterns: list[str], recipes: list[str]) -> list[dict]:
     rows = []
     for name, dims, build in layer_cases(tiny):
+        if not selected(name, patterns):
+            continue
         torch.manual_seed(0)
         module, inputs, grad = build()
         base_ms, base_out = fwd_bwd_ms(module, inputs, grad, repeats)
         row = {"layer": name, "dims": list(dims), "bf16_ms": base_ms}
-        for recipe in runnable_recipes():
+        for recipe in recipes:
             if not fits_cuda_kernel(recipe, *dims):
                 row[recipe] = "dims not aligned: stays bf16"
                 continue
@@ -169,7 +177,7 @@ def bench_layers(tiny: bool, repeats: int) -> list[dict]:
         rows.append(row)
         print(f"[layers] {name}: bf16 {base_ms:.3f} ms; " + "; ".join(
             f"{r} {v['ms']:.3f} ms {v['speedup']:.2f}x" if isinstance(v, dict) else f"{r} {v}"
-            for r, v in row.items() if r in runnable_recipes()), flush=True)  # fmt: skip
+            for r, v in row.items() if r in recipes), flush=True)  # fmt: skip
         del module, inputs, grad
         torch.cuda.empty_cache()
     return rows
@@ -266,6 +274,11 @@ def main(argv=None) -> int:
     p.add_argument("--curve-recipes", default="none,fp8_rowwise", help="comma-separated recipes of the curve part")
     p.add_argument("--curve-baseline", help="a JSON this script wrote: its curves (e.g. the bf16 one, 'none') are "
                    "reused instead of run again when they ran the same steps and mHC backward (same seed and batches)")  # fmt: skip
+    p.add_argument("--layers", default="", help="layers part: comma-separated substrings of the layer names to run "
+                   "(e.g. mlp,experts; default: all)")  # fmt: skip
+    p.add_argument(
+        "--recipes", default="", help="layers part: comma-separated recipes (default: every one this GPU runs)"
+    )
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_quantization.json"))
     a = p.parse_args(argv)
     a.parts = a.parts or ["layers", "step", "curve"]
@@ -284,16 +297,20 @@ def main(argv=None) -> int:
 
     print(f"GPU: {report['gpu']} (SM{''.join(map(str, cuda_capability()))}); recipes here: {runnable_recipes()}")
 
+    layer_recipes = [r for r in a.recipes.split(",") if r] or runnable_recipes()
+    if set(layer_recipes) - set(runnable_recipes()):
+        p.error(f"--recipes {sorted(set(layer_recipes) - set(runnable_recipes()))} cannot run on this GPU; it runs "
+                f"{runnable_recipes()}")  # fmt: skip
     if "layers" in a.parts:
         try:
-            rows = bench_layers(a.tiny, a.repeats)
+            rows = bench_layers(a.tiny, a.repeats, [x for x in a.layers.split(",") if x], layer_recipes)
             report["layers"] = rows
             flavor = "motif3_small, 1024 tokens" if a.tiny else "motif3_proxy, 8192 tokens x top-8"
             print(f"per-layer fwd+bwd ({flavor}); cells: ms, speed-up over bf16, output rel. error vs bf16")
-            print(f"{'layer':<34}{'bf16 ms':>9}" + "".join(f"{r:>26}" for r in runnable_recipes()))
+            print(f"{'layer':<34}{'bf16 ms':>9}" + "".join(f"{r:>26}" for r in layer_recipes))
             for row in rows:
                 cells = []
-                for r in runnable_recipes():
+                for r in layer_recipes:
                     v = row.get(r)
                     cells.append(
                         f"{v['ms']:7.3f} ms {v['speedup']:4.2f}x e{v['rel_err']:.3f}"

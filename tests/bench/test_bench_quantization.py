@@ -32,3 +32,12 @@ def test_curve_summary_measures_the_gap_over_the_last_quarter():
     assert math.isclose(summary["mean_abs_gap_last_quarter"], 0.02, abs_tol=1e-12)
     assert math.isclose(summary["bf16_step_noise_last_quarter"], 0.0, abs_tol=1e-12)  # a straight line
     assert math.isclose(summary["final_fp8"] - summary["final_bf16"], 0.02, abs_tol=1e-12)
+
+
+def test_layers_filter_selects_the_mlp_and_expert_cases_by_name():
+    names = [name for name, _, _ in bench_quantization.layer_cases(tiny=True)]
+    picked = [n for n in names if bench_quantization.selected(n, ["mlp", "experts"])]
+    assert picked and all("mlp" in n or "experts" in n for n in picked)
+    assert any(n.endswith(".experts") for n in picked) and any(".mlp." in n for n in picked)
+    assert len(picked) < len(names)  # the attention projections are left out
+    assert [n for n in names if bench_quantization.selected(n, [])] == names
