@@ -153,9 +153,13 @@ def flex_block_mask(
 
 def flex_attention_kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits):
     """FlexAttention with the metadata's causal + sliding-window + document block mask for `window` (compiled
-    on CUDA; on CPU torch runs it unfused and forward-only, which is enough for the tests)."""
+    on CUDA; on CPU torch runs it unfused and forward-only, which is enough for the tests).
+
+    max_logits on CUDA come from the kernel itself (`AuxRequest(max_scores=True)`: each query row's max of the
+    scaled logits over its visible keys, which the online softmax tracks anyway, accumulated in fp32), so QK-clip
+    costs no side pass; torch's CPU flex returns no max, so there `chunked_max_logits` computes it."""
     global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     block_mask = metadata.flex_block_mask(window)
     fn = flex_attention
@@ -167,10 +171,18 @@ def flex_attention_kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, re
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex
     q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKE))
-    out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
     max_logits = None
-    if record_max_logits:
-        max_logits = chunked_max_logits(q_BSHD, k_BSKD, scale=scale, window=window, document_ids=metadata.document_ids)
+    if record_max_logits and q_BSHD.is_cuda:
+        out, aux = fn(
+            q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(max_scores=True)
+        )
+        max_logits = aux.max_scores.detach().amax(dim=(0, 2)).float()  # [B, Hq, S] -> [Hq]
+    else:
+        out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+        if record_max_logits:
+            max_logits = chunked_max_logits(
+                q_BSHD, k_BSKD, scale=scale, window=window, document_ids=metadata.document_ids
+            )
     return out.transpose(1, 2), max_logits
 
 
