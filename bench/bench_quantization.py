@@ -249,8 +249,12 @@ def baseline_curves(path: str, steps: int) -> dict:
 
 
 def curve_summary(base: list[float], quant: list[float]) -> dict:
-    """Loss gap statistics over the last quarter of the run (and the step-to-step noise of bf16 there)."""
-    n = len(base) // 4
+    """Loss gap statistics over the last quarter of the steps both curves ran (and the step-to-step noise of bf16
+    there): a curve stopped early (a time limit's SIGTERM ends the run cleanly) is compared step for step with
+    the same steps of the other, never with its later ones."""
+    steps = min(len(base), len(quant))
+    base, quant = base[:steps], quant[:steps]
+    n = steps // 4
     tail_b, tail_q = base[-n:], quant[-n:]
     gap = [q - b for b, q in zip(tail_b, tail_q)]
     noise = statistics.pstdev([b2 - b1 for b1, b2 in itertools.pairwise(tail_b)]) if n > 2 else float("nan")
@@ -260,6 +264,7 @@ def curve_summary(base: list[float], quant: list[float]) -> dict:
         "bf16_step_noise_last_quarter": noise,
         "final_bf16": statistics.fmean(base[-10:]),
         "final_fp8": statistics.fmean(quant[-10:]),
+        "compared_steps": steps,
     }
 
 
@@ -369,7 +374,7 @@ def main(argv=None) -> int:
             summary = curve_summary(base, quant)
             report["curve_summary"] = summary
             print(
-                f"loss gap fp8_rowwise - bf16, last quarter: mean {summary['mean_gap_last_quarter']:+.4f}, mean |gap| "
+                f"loss gap fp8_rowwise - bf16, last quarter of {summary['compared_steps']} steps: mean {summary['mean_gap_last_quarter']:+.4f}, mean |gap| "
                 f"{summary['mean_abs_gap_last_quarter']:.4f} (bf16 step-to-step noise {summary['bf16_step_noise_last_quarter']:.4f}); "
                 f"final {summary['final_bf16']:.3f} vs {summary['final_fp8']:.3f}; "
                 f"{curves['none']['seconds']:.0f} s + {curves['fp8_rowwise']['seconds']:.0f} s"

@@ -34,6 +34,15 @@ def test_curve_summary_measures_the_gap_over_the_last_quarter():
     assert math.isclose(summary["final_fp8"] - summary["final_bf16"], 0.02, abs_tol=1e-12)
 
 
+def test_curve_summary_compares_a_curve_cut_short_step_for_step():
+    base = [4.0 - 0.1 * i for i in range(20)]
+    quant = [b + 0.05 for b in base[:12]]  # stopped at step 12 of 20 (the device call's time limit)
+    summary = bench_quantization.curve_summary(base, quant)
+    assert summary["compared_steps"] == 12
+    assert math.isclose(summary["mean_gap_last_quarter"], 0.05, abs_tol=1e-12)  # not base's later, lower steps
+    assert math.isclose(summary["final_fp8"] - summary["final_bf16"], 0.05, abs_tol=1e-12)
+
+
 def test_layers_filter_selects_the_mlp_and_expert_cases_by_name():
     names = [name for name, _, _ in bench_quantization.layer_cases(tiny=True)]
     picked = [n for n in names if bench_quantization.selected(n, ["mlp", "experts"])]
