@@ -1,0 +1,71 @@
+"""bench/bench_ep_dispatch.py on 2 gloo CPU ranks: its routing, its round-trip check (which must catch a dispatcher
+that loses the row order) and a whole tiny run's table/JSON (the timing itself is the GPU run's)."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import bench_ep_dispatch  # noqa: E402
+
+
+def test_routing_picks_distinct_experts_per_token_sorted_and_skewed():
+    rows = bench_ep_dispatch.route_rows(tokens=500, experts=16, top_k=4, skew=0.0, seed=1)
+    assert rows.numel() == 2000 and torch.equal(rows, rows.sort().values)
+    per_token = bench_ep_dispatch.route_rows(tokens=1, experts=16, top_k=4, skew=0.0, seed=3)
+    assert len(set(per_token.tolist())) == 4
+    uniform = torch.bincount(rows, minlength=16)
+    skewed = torch.bincount(bench_ep_dispatch.route_rows(500, 16, 4, skew=1.5, seed=1), minlength=16)
+    assert skewed[:4].sum() > 2 * uniform[:4].sum()  # low experts far more loaded
+    assert uniform.min() > 0
+
+
+class _ReversingDispatcher:
+    """Wraps the real dispatcher and returns the combined rows reversed: the round trip must notice."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def dispatch(self, x, counts):
+        return self.inner.dispatch(x, counts)
+
+    def combine(self, y, route):
+        return self.inner.combine(y, route).flip(0)
+
+
+def _ranks(rank, world, port, tmp):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    out = Path(tmp) / "ep.json"
+    argv = ["--device=cpu", "--tokens=64", "--hidden=8", "--experts=8", "--top-k=2", "--warmup=1", "--repeats=2",
+            "--skew=0.5", f"--out={out}"]  # fmt: skip
+    assert bench_ep_dispatch.main(argv) == 0  # checks the round trip of the real dispatcher first
+    dist.init_process_group("gloo")
+    try:
+        rows = bench_ep_dispatch.route_rows(64, 8, 2, 0.0, rank)
+        counts = torch.bincount(rows, minlength=8)
+        x = torch.randn(rows.numel(), 8)
+        broken = _ReversingDispatcher(bench_ep_dispatch.DISPATCHERS["all_to_all"](dist.group.WORLD))
+        with pytest.raises(AssertionError, match=r"combine\(dispatch\(x\)\) != x"):
+            bench_ep_dispatch.check_round_trip(broken, x, counts, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_rank_run_checks_times_and_reports(tmp_path, free_port):
+    mp.spawn(_ranks, args=(2, free_port, str(tmp_path)), nprocs=2, join=True)
+    report = json.loads((tmp_path / "ep.json").read_text())
+    assert report["ranks"] == 2 and report["backend"] == "gloo"
+    (row,) = report["rows"]
+    assert row["dispatcher"] == "all_to_all"
+    assert row["dispatch_ms"] > 0 and row["combine_ms"] > 0 and row["plain_ms"] > 0
+    assert row["efficiency"] == pytest.approx(row["plain_ms"] / (row["dispatch_ms"] + row["combine_ms"]))
+    # each rank sends the rows of the other rank's 4 experts: about half of its 128 rows of 8 fp32 values
+    assert 0 < row["off_rank_mib_per_direction"] * 2**20 < 128 * 8 * 4
