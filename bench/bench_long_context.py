@@ -4,6 +4,11 @@ per step, under the long-sequence memory plan, with the dry run's memory estimat
 
     python bench/bench_long_context.py --seq-lens 32768,65536            # motif3_small_256k, H200
     python bench/bench_long_context.py --flavor motif3_debug --device cpu --seq-lens 64 --steps 2   # logic test
+    torchrun --nproc_per_node 2 bench/bench_long_context.py --cp 2 --seq-lens 65536,131072   # context parallel 2
+
+With `--cp N` (under torchrun, N processes: one sequence split over N GPUs, `--cp-mode` ulysses or ring) each row is
+the whole sequence's step: tokens/s of the N GPUs together, the largest peak over the ranks, and the dry run's
+estimate for one rank of that layout; rank 0 prints and writes the JSON.
 
 The plan (defaults): activation checkpointing `long_context` (full AC per block + the routed experts in
 checkpointed token chunks: distributed/activation_checkpoint.py), bf16 compute, fp32 reduce, the attention
@@ -22,6 +27,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -42,7 +48,7 @@ from llm_training.trainer import Trainer
 GIB = 2**30
 
 
-def job_config(flavor, seq_len, ac, device, backend, steps, dump, gpu_gib):
+def job_config(flavor, seq_len, ac, device, backend, steps, dump, gpu_gib, cp=1, cp_mode="ulysses"):
     bf16 = device != "cpu"
     return ConfigManager().parse_args([
         "--job.config_file", str(PACKAGE_DIR / "motif" / "train_configs" / "debug_cpu.toml"),
@@ -51,12 +57,13 @@ def job_config(flavor, seq_len, ac, device, backend, steps, dump, gpu_gib):
         f"--training.mixed_precision_param={'bfloat16' if bf16 else 'float32'}", f"--training.seq_len={seq_len}",
         "--training.local_batch_size=1", f"--training.steps={steps}", "--checkpoint.enable=false",
         f"--activation_checkpoint.mode={ac}", "--metrics.save_jsonl=false", "--lr_scheduler.warmup_steps=1",
-        f"--job.dry_run_gpu_memory_gib={gpu_gib}",
+        f"--job.dry_run_gpu_memory_gib={gpu_gib}", f"--parallelism.context_parallel_degree={cp}",
+        f"--parallelism.context_parallel_mode={cp_mode}",
     ])  # fmt: skip
 
 
 def estimate(cfg) -> dict:
-    r = measure_rank(cfg, world_size=1, rank=0)
+    r = measure_rank(cfg, world_size=cfg.parallelism.context_parallel_degree, rank=0)
     return {
         "estimate_total_gib": r.total_bytes / GIB,
         "estimate_activation_peak_gib": r.activation_peak_bytes / GIB,
@@ -68,7 +75,8 @@ def estimate(cfg) -> dict:
 def train(cfg, warmup: int, steps: int) -> dict:
     t = cfg.training
     args = get_flavor(cfg.model.flavor)
-    dims = ParallelDims(1, -1, 1, 1, 1)
+    cp = cfg.parallelism.context_parallel_degree
+    dims = ParallelDims(1, -1, cp, 1, cp)
     device, _ = setup_distributed(t.device, dims)
     trainer = Trainer(cfg, dims, device)
     gen = torch.Generator().manual_seed(0)
@@ -94,7 +102,12 @@ def train(cfg, warmup: int, steps: int) -> dict:
         raise RuntimeError(f"non-finite CE losses {losses}")
     step_s = statistics.median(times)
     row = {"step_s": step_s, "tokens_per_s": t.seq_len / step_s, "ce_losses": losses}
-    row["peak_gib"] = torch.cuda.max_memory_allocated() / GIB if cuda else None
+    row["peak_gib"] = None
+    if cuda:  # the largest over the context-parallel ranks
+        peak = torch.tensor([torch.cuda.max_memory_allocated() / GIB], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        row["peak_gib"] = peak.item()
     del trainer
     gc.collect()  # the trainer's reference cycles: free its memory before the next length's peak is measured
     if cuda:
@@ -109,6 +122,10 @@ def main(argv=None) -> int:
     p.add_argument("--ac", default="long_context")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--device", default="cuda")
+    p.add_argument(
+        "--cp", type=int, default=1, help="context-parallel degree (run under torchrun with this many processes)"
+    )
+    p.add_argument("--cp-mode", default="ulysses", choices=("ulysses", "ring"))
     p.add_argument("--steps", type=int, default=3, help="timed steps per length")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gpu-gib", type=float, default=139.0, help="GPU memory the estimate is checked against")
@@ -121,14 +138,20 @@ def main(argv=None) -> int:
             "bench_long_context --device cuda needs a CUDA GPU (use --device cpu for the logic test)", file=sys.stderr
         )
         return 1
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != a.cp:
+        p.error(f"--cp {a.cp} needs {a.cp} processes (torchrun --nproc_per_node {a.cp}); this run has {world}")
     seq_lens = [int(s) for s in a.seq_lens.split(",")]
     cfgs = {
-        S: job_config(a.flavor, S, a.ac, a.device, a.attention_backend, a.warmup + a.steps, a.dump, a.gpu_gib)
+        S: job_config(
+            a.flavor, S, a.ac, a.device, a.attention_backend, a.warmup + a.steps, a.dump, a.gpu_gib, a.cp, a.cp_mode
+        )  # fmt: skip
         for S in seq_lens
     }
     rows = []
     for S in seq_lens:  # every estimate first: the dry run needs a process without a process group
-        row = {"flavor": a.flavor, "seq_len": S, "ac": a.ac, "attention_backend": a.attention_backend}
+        row = {"flavor": a.flavor, "seq_len": S, "ac": a.ac, "attention_backend": a.attention_backend, "cp": a.cp,
+               "cp_mode": a.cp_mode if a.cp > 1 else None}  # fmt: skip
         try:
             row.update(estimate(cfgs[S]))
         except Exception as e:  # noqa: BLE001 - a failing estimate must not hide the measurement
@@ -148,10 +171,15 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001 - one failing length must not end the table
             row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if dist.is_initialized() and not had_process_group:
-        dist.destroy_process_group()  # the 1-rank group the Trainer's FSDP2 ran in
+        dist.destroy_process_group()  # the group the Trainer's FSDP2 (and context parallelism) ran in
+    ok = all(r["status"] == "ok" or r["status"].startswith(("OOM", "skipped")) for r in rows)
+    if rank != 0:
+        return 0 if ok else 1
     gpu = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
-    print(f"device: {gpu}; flavor {a.flavor}, AC {a.ac}, attention {a.attention_backend}, batch 1")
+    layout = f"context parallel {a.cp} ({a.cp_mode})" if a.cp > 1 else "one device"
+    print(f"device: {gpu}; flavor {a.flavor}, AC {a.ac}, attention {a.attention_backend}, batch 1, {layout}")
     print(f"{'seq':>8}{'s/step':>9}{'tok/s':>9}{'peak GiB':>10}{'est GiB':>9}{'est act':>9}  status")
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
     for r in rows:
@@ -162,9 +190,9 @@ def main(argv=None) -> int:
             + (f" (estimate: {r['estimate_error']})" if "estimate_error" in r else "")
         )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"device": gpu, "rows": rows}, indent=2))
+    Path(a.out).write_text(json.dumps({"device": gpu, "cp": a.cp, "rows": rows}, indent=2))
     print(f"wrote {a.out}")
-    return 0 if all(r["status"] == "ok" or r["status"].startswith(("OOM", "skipped")) for r in rows) else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
