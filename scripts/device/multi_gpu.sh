@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The multi-GPU issues' runs on one host of 2+ GPUs (nvidia-h200-x2 / -x4 / -x8). Run from the repo root.
+#   bash scripts/device/multi_gpu.sh parity    ~5-8 min: tests/test_multi_gpu_training.py on 2 GPUs: 1 GPU vs FSDP 2,
+#                                               EP 2, Ulysses CP 2, ring CP 2 (20 steps of motif3_debug each), and an
+#                                               EP 2 checkpoint resumed on 1 GPU (same step-11 loss)
+#   bash scripts/device/multi_gpu.sh ep        ~1-2 min: bench/bench_ep_dispatch.py on every GPU of the host
+#                                               (motif3_proxy's 16K tokens x top-8 of 64 experts per rank, H 4096),
+#                                               uniform and skewed routing: dispatch + combine vs the plain all-to-all
+#   bash scripts/device/multi_gpu.sh long      ~3-5 min: bench/bench_long_context.py --cp 2 (ulysses, then ring) on
+#                                               motif3_small_256k at 64K and 128K tokens per sequence
+# NVLink multicast stays off (KINDS.md: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
+# NVSHMEM_DISABLE_NVLS=1); the optional wheels carried in .whl/ are installed first when present (wheels.sh).
+# Writes $OUT/multi_gpu.log (everything) and the benchmarks' JSON under $OUT; prints PASS / FAIL per step.
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+if [ -f scripts/device/wheels.sh ]; then source scripts/device/wheels.sh >/dev/null; fi
+export PYTHONPATH=$PWD:$PWD/activations:$PWD/optimizer:${PYTHONPATH:-}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
+OUT=${OUT:-/tmp/multi_gpu_out}
+mkdir -p "$OUT"
+LOG=$OUT/multi_gpu.log
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+mode=${1:-parity}
+status=0
+
+step() {  # step NAME TIMEOUT_S CMD...: run guarded, append the output to the log, print PASS/FAIL and the tail
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  echo "=== $name" >>"$LOG"
+  if timeout "$limit" "$@" >>"$LOG" 2>&1; then
+    echo "PASS $name ($((SECONDS - t0)) s)"
+  else
+    echo "FAIL $name (rc $?, $((SECONDS - t0)) s)"
+    status=1
+  fi
+  grep -v "Warning\|warn(\|^\s*$" "$LOG" | tail -n 12
+}
+
+echo "GPUs: $NGPU x $(python3 -c "import torch; print(torch.cuda.get_device_name())")"
+[ "$NGPU" -ge 2 ] || { echo "FAIL needs 2+ GPUs, found $NGPU"; exit 1; }
+case "$mode" in
+  parity)
+    step "parity: 1 GPU vs FSDP 2 / EP 2 / Ulysses CP 2 / ring CP 2, EP 2 checkpoint on 1 GPU" 540 \
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_multi_gpu_training.py -rs
+    ;;
+  ep)
+    step "EP dispatch, uniform routing, $NGPU ranks" 150 torchrun --standalone --nproc_per_node "$NGPU" \
+      bench/bench_ep_dispatch.py --out "$OUT/ep_dispatch_uniform.json"
+    step "EP dispatch, skewed routing (skew 1.0), $NGPU ranks" 150 torchrun --standalone --nproc_per_node "$NGPU" \
+      bench/bench_ep_dispatch.py --skew 1.0 --out "$OUT/ep_dispatch_skew.json"
+    ;;
+  long)
+    for cp_mode in ulysses ring; do
+      step "long context, CP 2 ($cp_mode)" 300 torchrun --standalone --nproc_per_node 2 bench/bench_long_context.py \
+        --cp 2 --cp-mode "$cp_mode" --seq-lens 65536,131072 --out "$OUT/long_cp2_$cp_mode.json"
+    done
+    ;;
+  *)
+    echo "usage: bash scripts/device/multi_gpu.sh parity | ep | long"
+    exit 2
+    ;;
+esac
+exit $status
