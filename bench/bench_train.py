@@ -9,6 +9,15 @@ the first step's CE against the untrained-model reference ln(V) (random init => 
     python bench/bench_train.py                                   # motif3_small and motif3_proxy defaults
     python bench/bench_train.py --flavor motif3_small --seq-len 4096 --batch 8 --ac none --steps 10
 Writes bench/results/bench_train.json (or --out).
+
+Several GPUs (weak scaling: every data rank trains `--batch` sequences of its own per micro-batch), under torchrun:
+
+    torchrun --nproc_per_node 8 bench/bench_train.py --flavor motif3_proxy --batch 2 --ac full --ep 8 \
+        --baseline bench/results/bench_train_1gpu.json
+FSDP2 shards over every data rank, `--ep` splits the experts and `--cp` each sequence over that many of the ranks.
+Times are the slowest rank's; tok/s, TF/s and MFU are per GPU (tokens of all data ranks / step time / GPUs), and
+with `--baseline` (a JSON of this script from one GPU) the weak-scaling efficiency is this run's tok/s per GPU over
+the baseline row's of the same flavor, seq, batch and ac. Rank 0 prints and writes the JSON.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -86,29 +96,35 @@ def build_trainer(
     device: str = "cuda",
     quantize: str = "none",
     mhc_backward: str = "auto",
+    ep: int = 1,
+    cp: int = 1,
 ) -> Trainer:
     """Our real Trainer (build_model + parallelize + optimizers + loss) for `flavor` on random data, as a training
-    run builds it: bf16 FSDP2 mixed precision on CUDA (a 1-rank process group), fp32 on CPU. `accum` micro-batches
-    of `batch` x `seq_len` tokens make one optimizer step; `optimizer` None keeps the config's default (Muon);
-    `quantize`: the [quantize] recipe (none = bf16); `mhc_backward`: [model] mhc_backward."""
+    run builds it: bf16 FSDP2 mixed precision on CUDA (a 1-rank process group, or torchrun's ranks), fp32 on CPU.
+    `accum` micro-batches of `batch` x `seq_len` tokens per data rank make one optimizer step; `optimizer` None keeps
+    the config's default (Muon); `quantize`: the [quantize] recipe (none = bf16); `mhc_backward`: [model]
+    mhc_backward; `ep` / `cp`: the expert- / context-parallel degrees over torchrun's WORLD_SIZE ranks (FSDP2 over
+    the data ranks, world / cp)."""
     on_cuda = device == "cuda"
     precision = "bfloat16" if on_cuda else "float32"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     overrides = [
         "--job.config_file", str(PACKAGE_DIR / "motif" / "train_configs" / "debug_cpu.toml"),
         f"--job.dump_folder={dump}", f"--job.run_name=bench_{flavor}_{ac}", f"--model.flavor={flavor}",
         f"--training.device={device}", f"--training.mixed_precision_param={precision}",
         "--training.mixed_precision_reduce=float32", f"--training.seq_len={seq_len}",
-        f"--training.local_batch_size={batch}", f"--training.global_batch_size={batch * accum}",
+        f"--training.local_batch_size={batch}", f"--training.global_batch_size={batch * accum * (world // cp)}",
         f"--training.steps={steps}", "--checkpoint.enable=false",
         f"--activation_checkpoint.mode={ac}", f"--compile.enable={'true' if compile_ else 'false'}",
         "--metrics.save_jsonl=false", "--lr_scheduler.warmup_steps=1", f"--quantize.recipe={quantize}",
-        f"--model.mhc_backward={mhc_backward}",
+        f"--model.mhc_backward={mhc_backward}", f"--parallelism.expert_parallel_degree={ep}",
+        f"--parallelism.context_parallel_degree={cp}",
     ]  # fmt: skip
     if optimizer is not None:
         overrides.append(f"--optimizer.name={optimizer}")
     cfg = ConfigManager().parse_args(overrides)
-    dims = ParallelDims(1, -1, 1, 1, 1)
-    torch_device, _ = setup_distributed(cfg.training.device, dims)  # a 1-rank group (FSDP2), kept for the run
+    dims = ParallelDims(1, -1, cp, ep, world)
+    torch_device, _ = setup_distributed(cfg.training.device, dims)  # torchrun's group, or a 1-rank one (FSDP2)
     return Trainer(cfg, dims, torch_device)
 
 
@@ -177,6 +193,17 @@ def peak_memory_gib(device: torch.device) -> dict:
     }
 
 
+def _slowest(value: float, device: torch.device) -> float:
+    """The largest `value` over the ranks (itself without a process group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def run_case(
     flavor: str,
     seq_len: int,
@@ -188,67 +215,102 @@ def run_case(
     dump: str,
     profile: int = 0,
     profile_out: str = "",
+    device: str = "cuda",
+    ep: int = 1,
+    cp: int = 1,
 ) -> dict:
     args = get_flavor(flavor)
-    trainer = build_trainer(flavor, seq_len, batch, ac, compile_, dump, steps + warmup)
-    gen = torch.Generator().manual_seed(0)
-    torch.cuda.reset_peak_memory_stats()
+    trainer = build_trainer(flavor, seq_len, batch, ac, compile_, dump, steps + warmup, device=device, ep=ep, cp=cp)
+    dev = trainer.device
+    world, dp = trainer.parallel_dims.world_size, trainer.dp_size
+    gen = torch.Generator().manual_seed(trainer.dp_rank)  # the context-parallel ranks of a data rank: the same rows
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
 
     step = functools.partial(train_step_on_random_data, trainer, 1, batch, seq_len, args.vocab_size, gen)
-    timed = time_steps(step, lambda i: i, steps, warmup, torch.device("cuda"))
+    timed = time_steps(step, lambda i: i, steps, warmup, dev)
     check_first_loss(flavor, timed["first"].ce_loss, args.vocab_size)
     if profile:
         profile_steps(trainer, batch, seq_len, args.vocab_size, profile, profile_out)
     del step, trainer
-    peak = peak_bf16_flops(torch.device("cuda"))
+    peak = peak_bf16_flops(dev)
+    mem = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
     row = {
-        "flavor": flavor, "seq_len": seq_len, "batch": batch, "ac": ac, "compile": compile_,
-        "first_ce": timed["first"].ce_loss, "ln_vocab": math.log(args.vocab_size),
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "peak_bf16_tflops": peak / 1e12 if peak else None,
+        "flavor": flavor, "seq_len": seq_len, "batch": batch, "ac": ac, "compile": compile_, "gpus": world,
+        "dp": dp, "ep": ep, "cp": cp, "first_ce": timed["first"].ce_loss, "ln_vocab": math.log(args.vocab_size),
+        "peak_mem_gib": None if mem is None else _slowest(mem, dev), "peak_bf16_tflops": peak / 1e12 if peak else None,
     }  # fmt: skip
     flops = {conv: training_flops_per_token(args, seq_len, conv) for conv in ("megatron", "torchtitan")}
-    row.update(throughput(batch * seq_len, statistics.median(timed["times_s"]), flops, peak))
+    step_s = _slowest(statistics.median(timed["times_s"]), dev)
+    # per GPU: every data rank's batch x seq tokens in the step, over all the GPUs
+    row.update(throughput(dp * batch * seq_len / world, step_s, flops, peak))
     return row
+
+
+def weak_scaling(rows: list[dict], baseline_path: str) -> None:
+    """Each row's `scaling_efficiency`: its tok/s per GPU over that of the baseline JSON's row of the same flavor,
+    seq_len, batch and ac (None where the baseline has no such row)."""
+    key = lambda r: (r["flavor"], r["seq_len"], r["batch"], r["ac"])  # noqa: E731
+    base = {key(r): r for r in json.loads(Path(baseline_path).read_text())["rows"] if "error" not in r}
+    for r in rows:
+        b = base.get(key(r)) if "error" not in r else None
+        r["scaling_efficiency"] = r["tokens_per_s"] / b["tokens_per_s"] if b else None
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--flavor")
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8, help="sequences per data rank per step")
     p.add_argument("--ac", default="none", choices=("none", "full", "selective"))
     p.add_argument("--compile", action="store_true")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (under torchrun)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree (under torchrun)")
+    p.add_argument("--baseline", help="a JSON of this script from one GPU: adds the weak-scaling efficiency")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a logic check (fp32, gloo)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_train.json"))
     p.add_argument("--dump", default="/tmp/bench_train_outputs")
     p.add_argument("--profile", type=int, default=0, help="profile this many extra steps of each case")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_train needs a CUDA GPU", file=sys.stderr)
+    cuda = a.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("bench_train needs a CUDA GPU (--device cpu: the logic check)", file=sys.stderr)
         return 1
     cases = [(a.flavor, a.seq_len, a.batch, a.ac)] if a.flavor else DEFAULT_CASES
     rows = []
     for flavor, seq, batch, ac in cases:
         try:
             profile_out = str(Path(a.out).with_name(f"profile_{flavor}_{ac}.txt"))
-            rows.append(run_case(flavor, seq, batch, ac, a.steps, a.warmup, a.compile, a.dump, a.profile, profile_out))
+            rows.append(run_case(flavor, seq, batch, ac, a.steps, a.warmup, a.compile, a.dump, a.profile, profile_out,
+                                 a.device, a.ep, a.cp))  # fmt: skip
         except torch.OutOfMemoryError as e:
             rows.append({"flavor": flavor, "seq_len": seq, "batch": batch, "ac": ac, "error": f"OOM: {str(e)[:200]}"})
-        torch.cuda.empty_cache()
-    print(f"GPU: {torch.cuda.get_device_name()}")
-    hdr = f"{'flavor':<14}{'seq':>6}{'B':>4}{'ac':>10}{'ms/step':>10}{'tok/s':>10}{'TF/s mg':>9}{'MFU mg':>8}{'TF/s tt':>9}{'MFU tt':>8}{'mem GiB':>9}"
+        if cuda:
+            torch.cuda.empty_cache()
+    if a.baseline:
+        weak_scaling(rows, a.baseline)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"GPU: {gpu} x {int(os.environ.get('WORLD_SIZE', '1'))} (ep {a.ep}, cp {a.cp})")
+    hdr = (f"{'flavor':<14}{'seq':>6}{'B':>4}{'ac':>10}{'ms/step':>10}{'tok/s/GPU':>10}{'TF/s mg':>9}{'MFU mg':>8}"
+           f"{'TF/s tt':>9}{'MFU tt':>8}{'mem GiB':>9}{'scaling':>9}")  # fmt: skip
     print(hdr)
+    pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     for r in rows:
         if "error" in r:
             print(f"{r['flavor']:<14}{r['seq_len']:>6}{r['batch']:>4}{r['ac']:>10}  {r['error']}")
             continue
-        mfu = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"
+        mem = "n/a" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
         print(f"{r['flavor']:<14}{r['seq_len']:>6}{r['batch']:>4}{r['ac']:>10}{r['step_ms_median']:>10.1f}"
-              f"{r['tokens_per_s']:>10.0f}{r['tflops_megatron']:>9.1f}{mfu(r['mfu_megatron']):>8}"
-              f"{r['tflops_torchtitan']:>9.1f}{mfu(r['mfu_torchtitan']):>8}{r['peak_mem_gib']:>9.1f}")  # fmt: skip
+              f"{r['tokens_per_s']:>10.0f}{r['tflops_megatron']:>9.1f}{pct(r['mfu_megatron']):>8}"
+              f"{r['tflops_torchtitan']:>9.1f}{pct(r['mfu_torchtitan']):>8}{mem:>9}"
+              f"{pct(r.get('scaling_efficiency')):>9}")  # fmt: skip
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+    Path(a.out).write_text(json.dumps({"gpu": gpu, "gpus": int(os.environ.get("WORLD_SIZE", "1")), "rows": rows},
+                                      indent=2))  # fmt: skip
     print(f"wrote {a.out}")
     return 0
 

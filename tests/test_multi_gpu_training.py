@@ -1,13 +1,15 @@
-"""2-GPU training under each parallel layout vs 1-GPU FSDP2 training (1 rank x 2 accumulated micro-batches), and an
-expert-parallel checkpoint resumed on one GPU.
+"""Multi-GPU training under each parallel layout vs 1-GPU FSDP2 training (1 rank x 2 accumulated micro-batches), and
+an expert-parallel checkpoint resumed on one GPU. A layout runs where the machine has its number of GPUs.
 
-Layouts (`LAYOUTS`): FSDP 2 and EP 2 (2 data ranks x 1 micro-batch; EP 2 splits the experts over the two ranks, FSDP2
-shards the rest), Ulysses CP 2 and ring CP 2 (one data rank: both ranks hold every sequence's half, 2 micro-batches
-like the 1-GPU run). The EP 2 run also saves a DCP checkpoint at step 10; one GPU resumes from it, and its step 11 must
-equal the EP 2 run's step 11 (same weights and data: only the summation order differs, FIRST_STEP_ATOL).
+Layouts (`LAYOUTS`): on 2 GPUs FSDP 2 and EP 2 (2 data ranks x 1 micro-batch of 8; EP 2 splits the experts over the
+two ranks, FSDP2 shards the rest), Ulysses CP 2 and ring CP 2 (one data rank: both ranks hold half of every sequence,
+2 micro-batches of 8 like the 1-GPU run); on 4 GPUs EP 4 and FSDP 4 x EP 2 (4 data ranks x 4 sequences) and FSDP 2 x
+CP 2 x EP 2 (2 data ranks x 8); on 8 GPUs EP 8 (8 data ranks x 2). The EP 2 run also saves a DCP checkpoint at step
+10; one GPU resumes from it, and its step 11 must equal the EP 2 run's step 11 (same weights and data: only the
+summation order differs, FIRST_STEP_ATOL).
 
 Both runs are `torchrun -m llm_training.train` on the debug_cpu.toml demo (motif3_debug) moved to CUDA, with
-the same GLOBAL batch of 16 sequences per optimizer step (local_batch_size 8; global_batch_size 16).
+the same GLOBAL batch of 16 sequences per optimizer step (global_batch_size 16; local_batch_size 8 on 1 and 2 ranks).
 
 What makes the two runs the same computation (read llm_training/data/dataloader.py and trainer.py):
 - Same samples per step. The loader shuffles the records with a rank-independent permutation `order` and gives
@@ -61,6 +63,14 @@ ENTRY = ["-m", "llm_training.train"]  # what torchrun launches
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
 
+def _layouts_here():
+    """Every layout, skipped where this machine has fewer GPUs than it needs."""
+    return [
+        pytest.param(name, marks=pytest.mark.skipif(torch.cuda.device_count() < ranks, reason=f"needs {ranks} GPUs"))
+        for name, (ranks, _, _) in sorted(LAYOUTS.items())
+    ]
+
+
 def _export_initial_checkpoint(path: Path) -> None:
     """One fp32 HF checkpoint of motif3_debug initialised in this process (seed 0), shared by both runs."""
     from llm_training.motif import get_flavor
@@ -73,11 +83,17 @@ def _export_initial_checkpoint(path: Path) -> None:
     export_hf_checkpoint(model, path, dtype=torch.float32)
 
 
-LAYOUTS = {  # 2-rank layout -> its [parallelism] overrides
-    "fsdp2": [],
-    "ep2": ["--parallelism.expert_parallel_degree=2"],
-    "ulysses_cp2": ["--parallelism.context_parallel_degree=2", "--parallelism.context_parallel_mode=ulysses"],
-    "ring_cp2": ["--parallelism.context_parallel_degree=2", "--parallelism.context_parallel_mode=ring"],
+_EP = "--parallelism.expert_parallel_degree="
+_CP = "--parallelism.context_parallel_degree=2"
+LAYOUTS = {  # layout -> (ranks, sequences per micro-batch, [parallelism] overrides); global batch 16 in every one
+    "fsdp2": (2, 8, []),
+    "ep2": (2, 8, [_EP + "2"]),
+    "ulysses_cp2": (2, 8, [_CP, "--parallelism.context_parallel_mode=ulysses"]),
+    "ring_cp2": (2, 8, [_CP, "--parallelism.context_parallel_mode=ring"]),
+    "ep4": (4, 4, [_EP + "4"]),
+    "fsdp4_ep2": (4, 4, [_EP + "2"]),
+    "fsdp2_cp2_ep2": (4, 8, [_CP, _EP + "2"]),
+    "ep8": (8, 2, [_EP + "8"]),  # motif3_debug has 16 experts: 2 per rank
 }
 EP_SAVE_STEP = 10
 
@@ -91,6 +107,7 @@ def _train(
     seq_len: int = 256,
     run_name: str | None = None,
     extra: tuple[str, ...] = (),
+    local_batch: int = 8,
 ) -> list[dict]:
     """Run the trainer under torchrun with `nproc` ranks (global batch 16, `extra` overrides) and return its per-step
     JSONL records (of the steps this run trained: a resumed run starts after its checkpoint)."""
@@ -113,8 +130,8 @@ def _train(
         f"--training.steps={steps}",
         f"--training.seq_len={seq_len}",
         "--lr_scheduler.warmup_steps=2",  # the toml's 20 would be the whole run
-        "--training.local_batch_size=8",
-        "--training.global_batch_size=16",  # 1 rank: 2 accumulation micro-batches; 2 ranks: 1 each
+        f"--training.local_batch_size={local_batch}",
+        "--training.global_batch_size=16",  # 1 rank (8 per micro-batch): 2 accumulation micro-batches
         "--training.mixed_precision_param=float32",
         "--training.mixed_precision_reduce=float32",
         "--training.deterministic=true",
@@ -146,9 +163,11 @@ def one_rank_run(tmp: Path, device: str, steps: int = STEPS, seq_len: int = 256)
 
 
 def layout_run(tmp: Path, init_ckpt: Path, layout: str, device: str, steps: int = STEPS, seq_len: int = 256,
-               extra: tuple[str, ...] = ()) -> list[dict]:  # fmt: skip
-    """The 2-rank run of `layout` (`LAYOUTS`) from the shared initial checkpoint."""
-    return _train(tmp, init_ckpt, 2, device, steps, seq_len, run_name=layout, extra=(*LAYOUTS[layout], *extra))
+               extra: tuple[str, ...] = (), run_name: str | None = None) -> list[dict]:  # fmt: skip
+    """The run of `layout` (`LAYOUTS`) from the shared initial checkpoint, in <tmp>/<run_name or layout>."""
+    ranks, local_batch, overrides = LAYOUTS[layout]
+    name = run_name or layout
+    return _train(tmp, init_ckpt, ranks, device, steps, seq_len, name, (*overrides, *extra), local_batch)
 
 
 def ep2_checkpoint_resumed_on_one_rank(tmp: Path, init_ckpt: Path, device: str, seq_len: int = 256):
@@ -156,7 +175,7 @@ def ep2_checkpoint_resumed_on_one_rank(tmp: Path, init_ckpt: Path, device: str, 
     that checkpoint and trains step EP_SAVE_STEP + 1. Returns (EP 2 records, the resumed run's records)."""
     steps = EP_SAVE_STEP + 1
     ckpt = ("--checkpoint.enable=true", f"--checkpoint.interval={EP_SAVE_STEP}", "--checkpoint.keep_latest_k=0")
-    ep = _train(tmp, init_ckpt, 2, device, steps, seq_len, "ep2_ckpt", (*LAYOUTS["ep2"], *ckpt))
+    ep = layout_run(tmp, init_ckpt, "ep2", device, steps, seq_len, extra=ckpt, run_name="ep2_ckpt")
     saved = tmp / "ep2_ckpt" / "checkpoint" / f"step-{EP_SAVE_STEP}"
     assert saved.is_dir(), sorted(p.name for p in saved.parent.iterdir())
     shutil.copytree(saved, tmp / "ep2_resumed" / "checkpoint" / saved.name)
@@ -183,8 +202,8 @@ def one_gpu(tmp_path_factory):
     return tmp, init_ckpt, records
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_two_gpu_layout_matches_one_gpu_with_accumulation(layout, one_gpu):
+@pytest.mark.parametrize("layout", _layouts_here())
+def test_layout_matches_one_gpu_with_accumulation(layout, one_gpu):
     tmp, init_ckpt, one = one_gpu
     _assert_same_curves(one, layout_run(tmp, init_ckpt, layout, "cuda"))
 

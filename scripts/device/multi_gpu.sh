@@ -8,6 +8,11 @@
 #                                               uniform and skewed routing: dispatch + combine vs the plain all-to-all
 #   bash scripts/device/multi_gpu.sh long      ~3-5 min: bench/bench_long_context.py --cp 2 (ulysses, then ring) on
 #                                               motif3_small_256k at 64K and 128K tokens per sequence
+#   bash scripts/device/multi_gpu.sh scaling [ARGS]   ~1-2 min per size: bench/bench_train.py on 1, 2, 4, 8 GPUs (up
+#                                               to the host's) for motif3_proxy, 2 x 4096 tokens per data rank, full
+#                                               recompute, experts split over every GPU (EP = GPUs): tok/s and MFU
+#                                               per GPU and the weak-scaling efficiency vs 1 GPU; ARGS go to every run
+#                                               (e.g. --compile)
 # NVLink multicast stays off (KINDS.md: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 # NVSHMEM_DISABLE_NVLS=1); the optional wheels carried in .whl/ are installed first when present (wheels.sh).
 # Writes $OUT/multi_gpu.log (everything) and the benchmarks' JSON under $OUT; prints PASS / FAIL per step.
@@ -56,8 +61,19 @@ case "$mode" in
         --cp 2 --cp-mode "$cp_mode" --seq-lens 65536,131072 --out "$OUT/long_cp2_$cp_mode.json"
     done
     ;;
+  scaling)
+    shift
+    base="$OUT/train_1gpu.json"
+    step "train step, 1 GPU" 300 python3 bench/bench_train.py --flavor motif3_proxy --batch 2 --ac full --steps 5 \
+      --out "$base" "$@"
+    for n in 2 4 8; do
+      [ "$n" -le "$NGPU" ] || break
+      step "train step, $n GPUs (EP $n)" 300 torchrun --standalone --nproc_per_node "$n" bench/bench_train.py \
+        --flavor motif3_proxy --batch 2 --ac full --steps 5 --ep "$n" --baseline "$base" --out "$OUT/train_${n}gpu.json" "$@"
+    done
+    ;;
   *)
-    echo "usage: bash scripts/device/multi_gpu.sh parity | ep | long"
+    echo "usage: bash scripts/device/multi_gpu.sh parity | ep | long | scaling [ARGS]"
     exit 2
     ;;
 esac

@@ -1,0 +1,47 @@
+"""bench/bench_train.py's multi-rank logic on 2 gloo CPU ranks (the GPU run is the scaling measurement): data and
+expert parallel over torchrun's ranks, per-GPU throughput, the weak-scaling efficiency against a 1-rank JSON."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import bench_train  # noqa: E402
+
+ARGV = ["--device=cpu", "--flavor=motif3_debug", "--seq-len=32", "--batch=2", "--steps=1", "--warmup=1"]
+
+
+def test_weak_scaling_divides_tokens_per_gpu_by_the_matching_baseline_row(tmp_path):
+    base = tmp_path / "one.json"
+    row = {"flavor": "f", "seq_len": 64, "batch": 2, "ac": "none"}
+    base.write_text(json.dumps({"rows": [{**row, "tokens_per_s": 100.0}, {**row, "ac": "full", "tokens_per_s": 10.0}]}))
+    rows = [{**row, "tokens_per_s": 90.0}, {**row, "batch": 4, "tokens_per_s": 50.0}, {**row, "error": "OOM"}]
+    bench_train.weak_scaling(rows, str(base))
+    assert rows[0]["scaling_efficiency"] == pytest.approx(0.9)
+    assert rows[1]["scaling_efficiency"] is None and rows[2]["scaling_efficiency"] is None
+
+
+def _rank(rank, port, tmp):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    argv = [*ARGV, "--ep=2", f"--baseline={tmp}/one.json", f"--dump={tmp}/ep", f"--out={tmp}/ep2.json"]
+    assert bench_train.main(argv) == 0
+
+
+def test_two_rank_expert_parallel_run_reports_per_gpu_throughput_and_scaling(tmp_path, free_port):
+    assert bench_train.main([*ARGV, f"--dump={tmp_path}/one", f"--out={tmp_path}/one.json"]) == 0
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    mp.spawn(_rank, args=(free_port, str(tmp_path)), nprocs=2, join=True)
+    (row,) = json.loads((tmp_path / "ep2.json").read_text())["rows"]
+    assert (row["gpus"], row["dp"], row["ep"], row["cp"]) == (2, 2, 2, 1)
+    # per GPU: 2 data ranks x 2 sequences x 32 tokens over 2 GPUs per step
+    assert row["tokens_per_s"] == pytest.approx(2 * 32 / (row["step_ms_median"] / 1e3))
+    assert row["scaling_efficiency"] > 0 and abs(row["first_ce"] - row["ln_vocab"]) < 1.5
