@@ -1,6 +1,7 @@
 """bench/bench_ep_dispatch.py on 2 gloo CPU ranks: its routing, its round-trip check (which must catch a dispatcher
 that loses the row order) and a whole tiny run's table/JSON (the timing itself is the GPU run's)."""
 
+import datetime
 import json
 import os
 import sys
@@ -46,8 +47,8 @@ def _ranks(rank, world, port, tmp):
     out = Path(tmp) / "ep.json"
     argv = ["--device=cpu", "--tokens=64", "--hidden=8", "--experts=8", "--top-k=2", "--warmup=1", "--repeats=2",
             "--skew=0.5", f"--out={out}"]  # fmt: skip
-    assert bench_ep_dispatch.main(argv) == 0  # checks the round trip of the real dispatcher first
-    dist.init_process_group("gloo")
+    # one rendezvous: main() runs in this group; a stuck collective fails the test in 2 minutes instead of hanging
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:
         rows = bench_ep_dispatch.route_rows(64, 8, 2, 0.0, rank)
         counts = torch.bincount(rows, minlength=8)
@@ -55,6 +56,8 @@ def _ranks(rank, world, port, tmp):
         broken = _ReversingDispatcher(bench_ep_dispatch.DISPATCHERS["all_to_all"](dist.group.WORLD))
         with pytest.raises(AssertionError, match=r"combine\(dispatch\(x\)\) != x"):
             bench_ep_dispatch.check_round_trip(broken, x, counts, dist.group.WORLD)
+        assert bench_ep_dispatch.main(argv) == 0  # checks the round trip of the real dispatcher first
+        assert dist.is_initialized()  # the caller's group is left to the caller
     finally:
         dist.destroy_process_group()
 
