@@ -34,14 +34,13 @@ def _rank(rank, port, tmp):
 
 
 def test_two_rank_expert_parallel_run_reports_per_gpu_throughput_and_scaling(tmp_path, free_port):
-    assert bench_train.main([*ARGV, f"--dump={tmp_path}/one", f"--out={tmp_path}/one.json"]) == 0
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # a 1-GPU row of the same case (its tok/s made up: the division is what is checked here)
+    one = {"flavor": "motif3_debug", "seq_len": 32, "batch": 2, "ac": "none", "tokens_per_s": 1000.0}
+    (tmp_path / "one.json").write_text(json.dumps({"rows": [one]}))
     mp.spawn(_rank, args=(free_port, str(tmp_path)), nprocs=2, join=True)
     (row,) = json.loads((tmp_path / "ep2.json").read_text())["rows"]
     assert (row["gpus"], row["dp"], row["ep"], row["cp"]) == (2, 2, 2, 1)
     # per GPU: 2 data ranks x 2 sequences x 32 tokens over 2 GPUs per step
     assert row["tokens_per_s"] == pytest.approx(2 * 32 / (row["step_ms_median"] / 1e3))
-    assert row["scaling_efficiency"] > 0 and abs(row["first_ce"] - row["ln_vocab"]) < 1.5
+    assert row["scaling_efficiency"] == pytest.approx(row["tokens_per_s"] / 1000.0)
+    assert abs(row["first_ce"] - row["ln_vocab"]) < 1.5
