@@ -39,7 +39,9 @@ Measured on CPU with gloo (the same comparison, `python tests/test_multi_gpu_tra
 a driver entry, fp32 NS): |dloss| <= 1e-6 at every one of the 20 steps, loss 9.93 -> 7.05. With every layout
 (`python tests/test_multi_gpu_training.py cpu 11 64 fsdp2,ep2,ulysses_cp2,ring_cp2` and the EP 2 checkpoint
 functions, 2026-12-03): max |dloss| over 11 steps 9.5e-7 (FSDP 2, EP 2) and 6.0e-7 (Ulysses, ring CP 2); the step 11
-of the EP 2 checkpoint resumed on one rank 2.4e-7 from the EP 2 run's. Not yet run on 2 GPUs (no such machine lent).
+of the EP 2 checkpoint resumed on one rank 2.4e-7 from the EP 2 run's; on 4 gloo ranks (4 steps) 6.0e-7 (FSDP 2 x CP 2 x
+EP 2) and 7.2e-7 (FSDP 4 x EP 2, EP 4); on 8 gloo ranks 5.4e-7 (EP 8). Not yet run on GPUs (no machine of several
+GPUs lent).
 """
 
 from __future__ import annotations
