@@ -4,9 +4,9 @@ an expert-parallel checkpoint resumed on one GPU. A layout runs where the machin
 Layouts (`LAYOUTS`): on 2 GPUs FSDP 2 and EP 2 (2 data ranks x 1 micro-batch of 8; EP 2 splits the experts over the
 two ranks, FSDP2 shards the rest), Ulysses CP 2 and ring CP 2 (one data rank: both ranks hold half of every sequence,
 2 micro-batches of 8 like the 1-GPU run); on 4 GPUs EP 4 and FSDP 4 x EP 2 (4 data ranks x 4 sequences) and FSDP 2 x
-CP 2 x EP 2 (2 data ranks x 8); on 8 GPUs EP 8 (8 data ranks x 2). The EP 2 run also saves a DCP checkpoint at step
+CP 2 x EP 2 (2 data ranks x 8); on 8 GPUs EP 8 (8 data ranks x 2). An EP 2 run also saves a DCP checkpoint at step
 10; one GPU resumes from it, and its step 11 must equal the EP 2 run's step 11 (same weights and data: only the
-summation order differs, FIRST_STEP_ATOL).
+summation order differs, FIRST_STEP_ATOL); on 8 GPUs an EP 8 checkpoint is resumed on 2 GPUs (EP 2) and on one.
 
 Both runs are `torchrun -m llm_training.train` on the debug_cpu.toml demo (motif3_debug) moved to CUDA, with
 the same GLOBAL batch of 16 sequences per optimizer step (global_batch_size 16; local_batch_size 8 on 1 and 2 ranks).
@@ -40,8 +40,9 @@ a driver entry, fp32 NS): |dloss| <= 1e-6 at every one of the 20 steps, loss 9.9
 (`python tests/test_multi_gpu_training.py cpu 11 64 fsdp2,ep2,ulysses_cp2,ring_cp2` and the EP 2 checkpoint
 functions, 2026-12-03): max |dloss| over 11 steps 9.5e-7 (FSDP 2, EP 2) and 6.0e-7 (Ulysses, ring CP 2); the step 11
 of the EP 2 checkpoint resumed on one rank 2.4e-7 from the EP 2 run's; on 4 gloo ranks (4 steps) 6.0e-7 (FSDP 2 x CP 2 x
-EP 2) and 7.2e-7 (FSDP 4 x EP 2, EP 4); on 8 gloo ranks 5.4e-7 (EP 8). Not yet run on GPUs (no machine of several
-GPUs lent).
+EP 2) and 7.2e-7 (FSDP 4 x EP 2, EP 4); on 8 gloo ranks 5.4e-7 (EP 8); an EP 4 checkpoint (the 8-GPU test's flow
+with 4 ranks) resumed on 2 ranks (EP 2) and on one: step 11 within 4.8e-7 and 2.4e-7 of the EP 4 run's. Not yet run
+on GPUs (no machine of several GPUs lent).
 """
 
 from __future__ import annotations
@@ -172,17 +173,29 @@ def layout_run(tmp: Path, init_ckpt: Path, layout: str, device: str, steps: int 
     return _train(tmp, init_ckpt, ranks, device, steps, seq_len, name, (*overrides, *extra), local_batch)
 
 
-def ep2_checkpoint_resumed_on_one_rank(tmp: Path, init_ckpt: Path, device: str, seq_len: int = 256):
-    """EP 2 trains EP_SAVE_STEP + 1 steps, saving a DCP checkpoint at EP_SAVE_STEP; one rank resumes from a copy of
-    that checkpoint and trains step EP_SAVE_STEP + 1. Returns (EP 2 records, the resumed run's records)."""
-    steps = EP_SAVE_STEP + 1
-    ckpt = ("--checkpoint.enable=true", f"--checkpoint.interval={EP_SAVE_STEP}", "--checkpoint.keep_latest_k=0")
-    ep = layout_run(tmp, init_ckpt, "ep2", device, steps, seq_len, extra=ckpt, run_name="ep2_ckpt")
-    saved = tmp / "ep2_ckpt" / "checkpoint" / f"step-{EP_SAVE_STEP}"
+_CKPT = ("--checkpoint.enable=true", f"--checkpoint.interval={EP_SAVE_STEP}", "--checkpoint.keep_latest_k=0")
+
+
+def saved_checkpoint_run(tmp: Path, init_ckpt: Path, layout: str, device: str, seq_len: int = 256) -> list[dict]:
+    """`layout` trains EP_SAVE_STEP + 1 steps in <tmp>/<layout>_ckpt, saving a DCP checkpoint at EP_SAVE_STEP."""
+    return layout_run(tmp, init_ckpt, layout, device, EP_SAVE_STEP + 1, seq_len, extra=_CKPT, run_name=f"{layout}_ckpt")
+
+
+def resumed_run(tmp: Path, init_ckpt: Path, saved_layout: str, layout: str | None, device: str, seq_len: int = 256):
+    """A copy of `saved_layout`'s step-EP_SAVE_STEP checkpoint resumed under `layout` (None: one rank), training step
+    EP_SAVE_STEP + 1; its records."""
+    saved = tmp / f"{saved_layout}_ckpt" / "checkpoint" / f"step-{EP_SAVE_STEP}"
     assert saved.is_dir(), sorted(p.name for p in saved.parent.iterdir())
-    shutil.copytree(saved, tmp / "ep2_resumed" / "checkpoint" / saved.name)
-    resumed = _train(tmp, init_ckpt, 1, device, steps, seq_len, "ep2_resumed", ckpt)
-    return ep, resumed
+    name = f"{saved_layout}_on_{layout or 'one'}"
+    shutil.copytree(saved, tmp / name / "checkpoint" / saved.name)
+    if layout is None:
+        return _train(tmp, init_ckpt, 1, device, EP_SAVE_STEP + 1, seq_len, name, _CKPT)
+    return layout_run(tmp, init_ckpt, layout, device, EP_SAVE_STEP + 1, seq_len, extra=_CKPT, run_name=name)
+
+
+def _assert_same_next_step(saved: list[dict], resumed: list[dict]) -> None:
+    assert [r["step"] for r in resumed] == [EP_SAVE_STEP + 1]
+    assert abs(resumed[0]["loss"] - saved[-1]["loss"]) <= FIRST_STEP_ATOL, (saved[-1], resumed[0])
 
 
 def _assert_same_curves(one: list[dict], two: list[dict]) -> None:
@@ -212,9 +225,16 @@ def test_layout_matches_one_gpu_with_accumulation(layout, one_gpu):
 
 def test_ep2_checkpoint_resumes_on_one_gpu_with_the_same_next_step(one_gpu):
     tmp, init_ckpt, _ = one_gpu
-    ep, resumed = ep2_checkpoint_resumed_on_one_rank(tmp, init_ckpt, "cuda")
-    assert [r["step"] for r in resumed] == [EP_SAVE_STEP + 1]
-    assert abs(resumed[0]["loss"] - ep[-1]["loss"]) <= FIRST_STEP_ATOL, (ep[-1], resumed[0])
+    saved = saved_checkpoint_run(tmp, init_ckpt, "ep2", "cuda")
+    _assert_same_next_step(saved, resumed_run(tmp, init_ckpt, "ep2", None, "cuda"))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 8, reason="needs 8 GPUs")
+def test_ep8_checkpoint_resumes_on_two_gpus_and_on_one_with_the_same_next_step(one_gpu):
+    tmp, init_ckpt, _ = one_gpu
+    saved = saved_checkpoint_run(tmp, init_ckpt, "ep8", "cuda")
+    _assert_same_next_step(saved, resumed_run(tmp, init_ckpt, "ep8", "ep2", "cuda"))
+    _assert_same_next_step(saved, resumed_run(tmp, init_ckpt, "ep8", None, "cuda"))
 
 
 if __name__ == "__main__":  # CPU/gloo version of the same comparison (slow on small machines, not a test)
