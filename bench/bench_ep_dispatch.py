@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from cuda_timing import slowest_over_ranks
 
 from llm_training.distributed.expert_parallel import DISPATCHERS, check_dispatcher_available, exchange_counts
 
@@ -96,13 +97,6 @@ def median_ms(fn, device: torch.device, warmup: int, repeats: int, group) -> flo
     return statistics.median(times)
 
 
-def slowest(value: float, device: torch.device, group) -> float:
-    """The largest `value` over the ranks of the group."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
-
-
 def bench_dispatcher(name: str, x_NH, counts_E, device, a, group) -> dict:
     dispatcher = DISPATCHERS[name](group)
     check_round_trip(dispatcher, x_NH, counts_E, group)
@@ -130,11 +124,11 @@ def bench_dispatcher(name: str, x_NH, counts_E, device, a, group) -> dict:
 
     dispatch()  # combine's first timed call needs a route
     kw = {"device": device, "warmup": a.warmup, "repeats": a.repeats, "group": group}
-    t_dispatch = slowest(median_ms(dispatch, **kw), device, group)
-    t_combine = slowest(median_ms(combine, **kw), device, group)
-    t_plain = slowest(median_ms(plain, **kw), device, group)
+    t_dispatch = slowest_over_ranks(median_ms(dispatch, **kw), device, group)
+    t_combine = slowest_over_ranks(median_ms(combine, **kw), device, group)
+    t_plain = slowest_over_ranks(median_ms(plain, **kw), device, group)
     off_rank_bytes = (sum(send) - send[rank]) * x_NH.shape[1] * x_NH.element_size()
-    off_rank_bytes = slowest(off_rank_bytes, device, group)  # the most loaded sender
+    off_rank_bytes = slowest_over_ranks(off_rank_bytes, device, group)  # the most loaded sender
     return {
         "dispatcher": name,
         "dispatch_ms": t_dispatch,

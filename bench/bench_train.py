@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from cuda_timing import slowest_over_ranks
 
 from llm_training.config import ConfigManager
 from llm_training.config.job_config import PACKAGE_DIR
@@ -193,17 +194,6 @@ def peak_memory_gib(device: torch.device) -> dict:
     }
 
 
-def _slowest(value: float, device: torch.device) -> float:
-    """The largest `value` over the ranks (itself without a process group)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def run_case(
     flavor: str,
     seq_len: int,
@@ -238,10 +228,10 @@ def run_case(
     row = {
         "flavor": flavor, "seq_len": seq_len, "batch": batch, "ac": ac, "compile": compile_, "gpus": world,
         "dp": dp, "ep": ep, "cp": cp, "first_ce": timed["first"].ce_loss, "ln_vocab": math.log(args.vocab_size),
-        "peak_mem_gib": None if mem is None else _slowest(mem, dev), "peak_bf16_tflops": peak / 1e12 if peak else None,
+        "peak_mem_gib": None if mem is None else slowest_over_ranks(mem, dev), "peak_bf16_tflops": peak / 1e12 if peak else None,
     }  # fmt: skip
     flops = {conv: training_flops_per_token(args, seq_len, conv) for conv in ("megatron", "torchtitan")}
-    step_s = _slowest(statistics.median(timed["times_s"]), dev)
+    step_s = slowest_over_ranks(statistics.median(timed["times_s"]), dev)
     # per GPU: every data rank's batch x seq tokens in the step, over all the GPUs
     row.update(throughput(dp * batch * seq_len / world, step_s, flops, peak))
     return row

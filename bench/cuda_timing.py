@@ -1,4 +1,5 @@
-"""Shared timing helper of the GPU benchmarks: CUDA events around each call, after warm-up.
+"""Shared timing helpers of the GPU benchmarks: CUDA events around each call, after warm-up; the slowest rank's
+value under torchrun.
 
 The bench scripts run as `python bench/<script>.py`, which puts this folder on sys.path.
 """
@@ -22,3 +23,15 @@ def cuda_time_ms(fn, warmup: int, repeats: int) -> list[float]:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return times
+
+
+def slowest_over_ranks(value: float, device: torch.device, group=None) -> float:
+    """The largest `value` over the ranks of `group` (default: the world): what a multi-rank benchmark reports, since
+    the step waits for its slowest rank. `value` itself without a process group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
