@@ -40,6 +40,7 @@ import torch.distributed as dist
 from cuda_timing import slowest_over_ranks
 
 from llm_training.distributed.expert_parallel import DISPATCHERS, check_dispatcher_available, exchange_counts
+from llm_training.distributed.utils import destroy_process_group
 
 
 def route_rows(tokens: int, experts: int, top_k: int, skew: float, seed: int) -> torch.Tensor:
@@ -201,7 +202,7 @@ def main(argv=None) -> int:
             print(f"wrote {a.out}")
     finally:
         if created:
-            dist.destroy_process_group()
+            destroy_process_group()
     return 0
 
 

@@ -40,7 +40,7 @@ from bench_train import random_batch
 from llm_training.config import ConfigManager
 from llm_training.config.job_config import PACKAGE_DIR
 from llm_training.distributed import ParallelDims
-from llm_training.distributed.utils import setup_distributed
+from llm_training.distributed.utils import destroy_process_group, setup_distributed
 from llm_training.dry_run import measure_rank
 from llm_training.motif import get_flavor
 from llm_training.trainer import Trainer
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
             row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if dist.is_initialized() and not had_process_group:
-        dist.destroy_process_group()  # the group the Trainer's FSDP2 (and context parallelism) ran in
+        destroy_process_group()  # the group the Trainer's FSDP2 (and context parallelism) ran in
     ok = all(r["status"] == "ok" or r["status"].startswith(("OOM", "skipped")) for r in rows)
     if rank != 0:
         return 0 if ok else 1

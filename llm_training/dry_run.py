@@ -57,6 +57,7 @@ from torch.distributed.tensor import DTensor
 from llm_training.config import ConfigError, validate_for_world_size
 from llm_training.distributed import ParallelDims
 from llm_training.distributed.activation_checkpoint import LONG_CONTEXT_MOE_CHUNK_TOKENS
+from llm_training.distributed.utils import destroy_process_group
 
 DOES_NOT_FIT = 3
 GIB = 1 << 30
@@ -90,7 +91,7 @@ def fake_process_group(rank: int, world_size: int):
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 @dataclass

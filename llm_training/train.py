@@ -29,7 +29,7 @@ from llm_training.config import (
     validate_for_world_size,
 )
 from llm_training.distributed import ParallelDims
-from llm_training.distributed.utils import env_rank, env_world_size, setup_distributed
+from llm_training.distributed.utils import destroy_process_group, env_rank, env_world_size, setup_distributed
 
 logger = logging.getLogger("llm_training")
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         run(job_config, parallel_dims, device)
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_process_group()
     return 0
 
 

@@ -24,6 +24,7 @@ from llm_training.distributed.cp_sharding import SequenceLayout, cp_shard
 from llm_training.distributed.ring_attention import ring_attention
 from llm_training.layers.attention_backends import AttentionMetadata, reference_attention
 from llm_training.motif import get_flavor
+from llm_training.distributed.utils import destroy_process_group
 
 DEBUG = get_flavor("motif3_debug")  # 10 q heads = 2 x [4 signal + 1 noise], 2 KV heads, window 16
 WIDE = DEBUG.replace(num_attention_heads=20, num_key_value_heads=4, num_noise_heads=4)  # 4 x [4 + 1]
@@ -269,7 +270,7 @@ def _worker(rank, cp, port, cases):
             else:
                 _attention_case(dist.group.WORLD, rank, cp, *case)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def _cases(ulysses_args, sliding_window):

@@ -29,6 +29,7 @@ from llm_training.distributed.expert_parallel import (
     inverse_permutation,
     source_to_expert_order,
 )
+from llm_training.distributed.utils import destroy_process_group
 
 BATCH_PER_RANK, SEQ = 2, 5
 TOLERANCES = {torch.float64: {"atol": 1e-10, "rtol": 1e-10}, torch.float32: {"atol": 2e-5, "rtol": 2e-5}}
@@ -186,7 +187,7 @@ def _worker(rank, world, port):
         dims.build_mesh("cpu")
         assert expert_grad_mesh(dims).size() == 1  # one EP group holds every expert once: nothing to sum
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -256,7 +257,7 @@ def _fsdp_worker(rank, world, port, checkpoint):
             torch.testing.assert_close(full, reference.get_parameter(name).detach(), **tol, msg=name)
         assert moe.get_parameter(stacks[0]).to_local().shape[0] == L // grad_mesh.size()
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def test_fsdp2_over_expert_parallel_and_muon_equal_single_process(free_port, tmp_path):

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from llm_training.config import ConfigError
 from llm_training.distributed import ParallelDims
+from llm_training.distributed.utils import destroy_process_group
 
 
 def test_minus_one_takes_the_rest():
@@ -86,7 +87,7 @@ def _worker(rank: int, world_size: int, port: int, results):
             out.append((sizes, local, t.item(), hsdp_shape, ep))
         results[rank] = out
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def test_meshes_on_two_gloo_ranks(free_port):

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from llm_training.config import ConfigError
-from llm_training.distributed.utils import clip_grad_norm_, resolve_device
+from llm_training.distributed.utils import clip_grad_norm_, destroy_process_group, resolve_device
 
 FULL_GRADS = {  # what the three kinds of parameters' full gradients are
     "fsdp": torch.arange(12.0).view(4, 3) - 5.0,
@@ -51,7 +51,7 @@ def _worker(rank, world, port, max_norm, out):
         grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in params]
         out[rank] = (norm, grads)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 @pytest.mark.parametrize("max_norm", [1.0, 0.0])  # 0: measure only

@@ -16,6 +16,7 @@ from llm_training.motif.model import Motif3Model
 from llm_training.motif.parallelize import parallelize_motif
 from llm_training.trainer.batch import prepare_batch
 from llm_training.trainer.losses import count_labelled_tokens, micro_batch_loss
+from llm_training.distributed.utils import destroy_process_group
 
 ARGS = get_flavor("motif3_debug").replace(num_hidden_layers=3, router_aux_loss_coef=0.01)
 
@@ -86,7 +87,7 @@ def _worker(rank, world, port, path, dp_replicate=1):
         if rank == 0:
             torch.save({"loss": loss, "grads": grads}, path)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 @pytest.mark.parametrize("dp_replicate", [1, 2], ids=["shard2", "replicate2"])

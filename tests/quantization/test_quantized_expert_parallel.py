@@ -13,6 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from llm_training.distributed.utils import destroy_process_group
 
 WORLD, BATCH_PER_RANK, SEQ = 2, 2, 8
 TOL = {"atol": 2e-5, "rtol": 2e-5}
@@ -67,7 +68,7 @@ def _worker(rank, port):
         for recipe, checkpointed in (("fp8_rowwise", False), ("mxfp8", True)):
             _check(rank, mesh, recipe, checkpointed)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def test_converted_experts_under_expert_parallel_equal_one_process(free_port):

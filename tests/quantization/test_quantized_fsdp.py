@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from llm_training.config import ConfigManager
 from llm_training.config.job_config import PACKAGE_DIR
 from llm_training.distributed import ParallelDims
+from llm_training.distributed.utils import destroy_process_group
 
 STEPS = 3
 
@@ -48,7 +49,7 @@ def _worker(rank, world, port, dump_folder):
         if rank == 0:
             torch.save(result.losses, os.path.join(dump_folder, "dist_losses.pt"))
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 @pytest.mark.slow  # two trainer set-ups on 2 ranks plus a single-process run: ~40 s on an idle core

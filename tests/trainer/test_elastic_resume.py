@@ -19,7 +19,7 @@ import llm_training.data.dataloader as dataloader_module
 from llm_training.config import ConfigManager
 from llm_training.config.job_config import PACKAGE_DIR
 from llm_training.distributed import ParallelDims
-from llm_training.distributed.utils import setup_distributed
+from llm_training.distributed.utils import destroy_process_group, setup_distributed
 
 DEBUG_CPU_TOML = PACKAGE_DIR / "motif" / "train_configs" / "debug_cpu.toml"
 NUM_RECORDS = 5  # one document per rank per step: A ends inside epoch 0, B inside epoch 1, C and D in epoch 2
@@ -85,7 +85,7 @@ def _phase(rank, world, port, dump_folder, data_path, steps, out_folder):
     finally:
         dataloader_module.collate_rows = real_collate
         if world > 1:
-            dist.destroy_process_group()
+            destroy_process_group()
 
 
 def _run_phase(world, free_port, root, name, steps, resume_from=None):

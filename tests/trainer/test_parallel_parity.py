@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 from llm_training.config import ConfigManager
 from llm_training.config.job_config import PACKAGE_DIR
+from llm_training.distributed.utils import destroy_process_group
 
 DEBUG_CPU_TOML = PACKAGE_DIR / "motif" / "train_configs" / "debug_cpu.toml"
 STEPS, SEQ, ROWS, SAVE_STEP = 10, 64, 4, 5
@@ -129,7 +130,7 @@ def _worker(rank, world, port, layout, dump_folder, out_file, save_step, resume,
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
         if dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_process_group()
 
 
 def _probe_sharding(model) -> list[bool]:

@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 
 from llm_training.model_spec import StepStat
 from llm_training.trainer.trainer import accumulate_stats, all_reduce_step
+from llm_training.distributed.utils import destroy_process_group
 
 
 def test_accumulate_sums_and_maxes_by_op():
@@ -33,7 +34,7 @@ def _worker(rank, world, port, out):
         sums, reduced = all_reduce_step(torch.tensor([0.5, float(rank)], dtype=torch.float64), stats)
         out[rank] = (sums, reduced["tokens_per_expert"], reduced["max_logits"])
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def test_two_ranks_sum_and_max(free_port):

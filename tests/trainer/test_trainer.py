@@ -11,6 +11,7 @@ import torch
 from llm_training.distributed import ParallelDims
 from llm_training.trainer import NonFiniteLossError, Trainer, train
 from llm_training.trainer.checkpoint import complete_steps
+from llm_training.distributed.utils import destroy_process_group
 
 DIMS = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
 CPU = torch.device("cpu")
@@ -200,8 +201,6 @@ def test_cuda_bf16_fsdp_training_resumes_exactly(make_config):
         "--training.steps=4",
         "--checkpoint.interval=2",
     )
-    import torch.distributed as dist
-
     from llm_training.distributed.utils import setup_distributed
 
     dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
@@ -216,7 +215,7 @@ def test_cuda_bf16_fsdp_training_resumes_exactly(make_config):
         resumed = train(make_config("--job.run_name=gpu_resumed", *opts), dims, device)
     finally:
         if created:
-            dist.destroy_process_group()
+            destroy_process_group()
     for step in (3, 4):
         assert resumed.losses[step] == pytest.approx(full.losses[step], rel=1e-3), step
 

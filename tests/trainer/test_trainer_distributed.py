@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 from llm_training.config import ConfigManager
 from llm_training.config.job_config import PACKAGE_DIR
 from llm_training.distributed import ParallelDims
+from llm_training.distributed.utils import destroy_process_group
 
 DEBUG_CPU_TOML = PACKAGE_DIR / "motif" / "train_configs" / "debug_cpu.toml"
 SIGNAL_RANK, SIGNAL_STEP, STEPS = 1, 2, 5
@@ -60,7 +61,7 @@ def _worker(rank, world, port, dump_folder, out_folder):
             os.path.join(out_folder, f"rank{rank}.pt"),
         )  # fmt: skip
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def _single_process_init(seed):
