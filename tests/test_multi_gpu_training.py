@@ -8,8 +8,14 @@ CP 2 x EP 2 (2 data ranks x 8); on 8 GPUs EP 8 (8 data ranks x 2). An EP 2 run a
 10; one GPU resumes from it, and its step 11 must equal the EP 2 run's step 11 (same weights and data: only the
 summation order differs, FIRST_STEP_ATOL); on 8 GPUs an EP 8 checkpoint is resumed on 2 GPUs (EP 2) and on one.
 
-Both runs are `torchrun -m llm_training.train` on the debug_cpu.toml demo (motif3_debug) moved to CUDA, with
-the same GLOBAL batch of 16 sequences per optimizer step (global_batch_size 16; local_batch_size 8 on 1 and 2 ranks).
+Both runs are `torchrun -m llm_training.train` on the debug_cpu.toml demo moved to CUDA, with the same GLOBAL batch of
+16 sequences per optimizer step (global_batch_size 16; local_batch_size 8 on 1 and 2 ranks). The model is the demo's
+motif3_debug (minutes for every layout), or the flavor named by the environment variable PARITY_FLAVOR: the issues ask
+for `PARITY_FLAVOR=motif3_proxy` (Muon + MTP + mHC on, 64 experts: EP 8 holds 8 per rank; 4.67B parameters, so the
+shared fp32 initial checkpoint is 17.4 GiB and each DCP checkpoint with its optimizer state ~42 GiB on disk; the dry
+run puts the 1-GPU run at 104 GiB per GPU, EP 8 at 31 GiB; each run may take up to PARITY_TIMEOUT_S, default 900 s
+for a flavor other than motif3_debug; `scripts/device/multi_gpu.sh parity motif3_proxy LAYOUT` runs one layout
+per call).
 
 What makes the two runs the same computation (read llm_training/data/dataloader.py and trainer.py):
 - Same samples per step. The loader shuffles the records with a rank-independent permutation `order` and gives
@@ -59,6 +65,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "llm_training" / "motif" / "train_configs" / "debug_cpu.toml"
+FLAVOR = os.environ.get("PARITY_FLAVOR", "motif3_debug")  # the model of every run (module docstring)
+RUN_TIMEOUT_S = float(os.environ.get("PARITY_TIMEOUT_S", 240 if FLAVOR == "motif3_debug" else 900))
 STEPS = 20
 FIRST_STEP_ATOL = 1e-4
 STEP_ATOL = 2e-2
@@ -75,13 +83,13 @@ def _layouts_here():
 
 
 def _export_initial_checkpoint(path: Path) -> None:
-    """One fp32 HF checkpoint of motif3_debug initialised in this process (seed 0), shared by both runs."""
+    """One fp32 HF checkpoint of FLAVOR initialised in this process (seed 0), shared by both runs."""
     from llm_training.motif import get_flavor
     from llm_training.motif.model import Motif3Model
     from llm_training.motif.state_dict_adapter import export_hf_checkpoint
 
     torch.manual_seed(0)
-    model = Motif3Model(get_flavor("motif3_debug"))
+    model = Motif3Model(get_flavor(FLAVOR))
     model.init_weights()
     export_hf_checkpoint(model, path, dtype=torch.float32)
 
@@ -96,7 +104,7 @@ LAYOUTS = {  # layout -> (ranks, sequences per micro-batch, [parallelism] overri
     "ep4": (4, 4, [_EP + "4"]),
     "fsdp4_ep2": (4, 4, [_EP + "2"]),
     "fsdp2_cp2_ep2": (4, 8, [_CP, _EP + "2"]),
-    "ep8": (8, 2, [_EP + "8"]),  # motif3_debug has 16 experts: 2 per rank
+    "ep8": (8, 2, [_EP + "8"]),  # motif3_debug has 16 experts (2 per rank), motif3_proxy 64 (8 per rank)
 }
 EP_SAVE_STEP = 10
 
@@ -127,6 +135,7 @@ def _train(
         "--job.config_file", str(CONFIG),
         f"--job.dump_folder={tmp}", f"--job.run_name={run_name}",
         f"--training.device={device}",
+        f"--model.flavor={FLAVOR}",
         # SDPA (math kernel with the document mask on this tiny model): "auto" would pick FlexAttention on CUDA,
         # whose torch.compile warm-up in each of the two runs would eat most of the time budget
         "--model.attention_backend=sdpa",
@@ -147,7 +156,7 @@ def _train(
         "--compile.enable=false",
         *extra,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     output = f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     assert proc.returncode == 0, f"{' '.join(cmd)}\nexit {proc.returncode}\n{output}"
     jsonl = tmp / run_name / "metrics.jsonl"

@@ -2,7 +2,11 @@
 # The multi-GPU issues' runs on one host of 2+ GPUs (nvidia-h200-x2 / -x4 / -x8). Run from the repo root.
 #   bash scripts/device/multi_gpu.sh parity    ~5-8 min: tests/test_multi_gpu_training.py on 2 GPUs: 1 GPU vs FSDP 2,
 #                                               EP 2, Ulysses CP 2, ring CP 2 (20 steps of motif3_debug each), and an
-#                                               EP 2 checkpoint resumed on 1 GPU (same step-11 loss)
+#                                               EP 2 checkpoint resumed on 1 GPU (same step-11 loss); on 4 / 8 GPUs
+#                                               also their layouts
+#   bash scripts/device/multi_gpu.sh parity FLAVOR [K]   the same runs on FLAVOR (the issues ask motif3_proxy), only
+#                                               the tests pytest's `-k K` selects (e.g. ep2_checkpoint, ring_cp2):
+#                                               each proxy run loads a 17 GiB checkpoint, so one layout per call
 #   bash scripts/device/multi_gpu.sh ep        ~1-2 min: bench/bench_ep_dispatch.py on every GPU of the host
 #                                               (motif3_proxy's 16K tokens x top-8 of 64 experts per rank, H 4096),
 #                                               uniform and skewed routing: dispatch + combine vs the plain all-to-all
@@ -46,8 +50,10 @@ echo "GPUs: $NGPU x $(python3 -c "import torch; print(torch.cuda.get_device_name
 [ "$NGPU" -ge 2 ] || { echo "FAIL needs 2+ GPUs, found $NGPU"; exit 1; }
 case "$mode" in
   parity)
-    step "parity: 1 GPU vs FSDP 2 / EP 2 / Ulysses CP 2 / ring CP 2, EP 2 checkpoint on 1 GPU" 540 \
-      python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_multi_gpu_training.py -rs
+    flavor=${2:-motif3_debug}
+    step "parity ($flavor${3:+, -k $3}): 1 GPU vs the layouts of $NGPU GPUs, EP checkpoints resumed" 580 \
+      env PARITY_FLAVOR="$flavor" python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu \
+      tests/test_multi_gpu_training.py -rs ${3:+-k "$3"}
     ;;
   ep)
     step "EP dispatch, uniform routing, $NGPU ranks" 150 torchrun --standalone --nproc_per_node "$NGPU" \
@@ -73,7 +79,7 @@ case "$mode" in
     done
     ;;
   *)
-    echo "usage: bash scripts/device/multi_gpu.sh parity | ep | long | scaling [ARGS]"
+    echo "usage: bash scripts/device/multi_gpu.sh parity [FLAVOR [K]] | ep | long | scaling [ARGS]"
     exit 2
     ;;
 esac
