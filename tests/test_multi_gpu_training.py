@@ -14,8 +14,8 @@ motif3_debug (minutes for every layout), or the flavor named by the environment 
 for `PARITY_FLAVOR=motif3_proxy` (Muon + MTP + mHC on, 64 experts: EP 8 holds 8 per rank; 4.67B parameters, so the
 shared fp32 initial checkpoint is 17.4 GiB and each DCP checkpoint with its optimizer state ~42 GiB on disk; the dry
 run puts the 1-GPU run at 104 GiB per GPU, EP 8 at 31 GiB; each run may take up to PARITY_TIMEOUT_S, default 900 s
-for a flavor other than motif3_debug; `scripts/device/multi_gpu.sh parity motif3_proxy LAYOUT` runs one layout
-per call).
+for a flavor other than motif3_debug; `scripts/device/multi_gpu.sh parity motif3_proxy K` runs the tests that
+pytest's `-k K` selects: one layout per call).
 
 What makes the two runs the same computation (read llm_training/data/dataloader.py and trainer.py):
 - Same samples per step. The loader shuffles the records with a rank-independent permutation `order` and gives
