@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from llm_training.layers.attention_masks import repeat_kv, chunked_max_logits, visibility_mask
+from llm_training.layers.attention_masks import attention_max_logits, repeat_kv, visibility_mask
 
 AttentionKernel = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
@@ -110,7 +110,7 @@ def sdpa_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_ma
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     max_logits = None
     if record_max_logits:
-        max_logits = chunked_max_logits(q_BSHD, k_BSKD, scale=scale, window=window, document_ids=document_ids)
+        max_logits = attention_max_logits(q_BSHD, k_BSKD, scale=scale, window=window, document_ids=document_ids)
     return out.transpose(1, 2), max_logits
 
 
@@ -157,7 +157,7 @@ def flex_attention_kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, re
 
     max_logits on CUDA come from the kernel itself (`AuxRequest(max_scores=True)`: each query row's max of the
     scaled logits over its visible keys, which the online softmax tracks anyway, accumulated in fp32), so QK-clip
-    costs no side pass; torch's CPU flex returns no max, so there `chunked_max_logits` computes it."""
+    costs no side pass; torch's CPU flex returns no max, so there `attention_max_logits` computes it."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
@@ -180,7 +180,7 @@ def flex_attention_kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, re
     else:
         out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
         if record_max_logits:
-            max_logits = chunked_max_logits(
+            max_logits = attention_max_logits(
                 q_BSHD, k_BSKD, scale=scale, window=window, document_ids=metadata.document_ids
             )
     return out.transpose(1, 2), max_logits

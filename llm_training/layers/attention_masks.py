@@ -1,15 +1,19 @@
 """The visibility rule every attention backend implements (causal, optional sliding window, optional packed
 documents) as an explicit boolean mask, and the exact max-logit side pass for QK-clip that the fused kernels
-(cuDNN SDPA, FlexAttention, flash-attn-4), which do not return their logits, share.
+which do not return their logits (cuDNN SDPA, flash-attn-4; FlexAttention on the CPU) share:
+`attention_max_logits`, a Triton kernel on CUDA (`max_logits_kernels`, a custom op opaque to torch.compile),
+`chunked_max_logits` (torch tensor ops) elsewhere.
 
-A leaf module: the backends (`attention_backends`, `fa4_attention`) import it; it imports none of them.
+A leaf module: the backends (`attention_backends`, `fa4_attention`) import it; it imports none of them. (No
+`from __future__ import annotations`: the custom op's schema is inferred from its annotations.)
 """
-
-from __future__ import annotations
 
 from typing import Optional
 
 import torch
+from activation.backend import TRITON_AVAILABLE  # probed once, never in compiled code
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def visibility_mask(
@@ -33,6 +37,16 @@ def visibility_mask(
         dk = document_ids_BS[:, keys.start : keys.stop]
         mask = mask & (dq[:, None, :, None] == dk[:, None, None, :])
     return mask
+
+
+def document_starts(document_ids_BS: torch.Tensor) -> torch.Tensor:
+    """int32 [B, S]: the position in its row where each token's document starts (documents are contiguous runs of
+    one id; a row start is a document start)."""
+    B, S = document_ids_BS.shape
+    pos = torch.arange(S, device=document_ids_BS.device).expand(B, S)
+    is_start = torch.ones_like(document_ids_BS, dtype=torch.bool)
+    is_start[:, 1:] = document_ids_BS[:, 1:] != document_ids_BS[:, :-1]
+    return torch.where(is_start, pos, torch.zeros_like(pos)).cummax(dim=1).values.to(torch.int32)
 
 
 def repeat_kv(x_BSKD: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -78,3 +92,33 @@ def chunked_max_logits(
             # the head dimension in the middle and reduced across strides (5 ms per 1024-query chunk on the H200)
             best = torch.maximum(best, tile.amax(dim=-1).amax(dim=(0, 2)).float() * scale)
     return best
+
+
+@torch.library.custom_op("llm_training::attention_max_logits", mutates_args=())
+def _max_logits_kernel_op(
+    q: torch.Tensor, k: torch.Tensor, document_ids: Optional[torch.Tensor], scale: float, window: Optional[int]
+) -> torch.Tensor:
+    from llm_training.layers import max_logits_kernels  # imports triton
+
+    return max_logits_kernels.max_logits(q, k, scale=scale, window=window, document_ids=document_ids)
+
+
+@_max_logits_kernel_op.register_fake
+def _(q, k, document_ids, scale, window):
+    return q.new_empty(q.shape[2], dtype=torch.float32)
+
+
+def attention_max_logits(
+    q_BSHD: torch.Tensor,
+    k_BSKD: torch.Tensor,
+    *,
+    scale: float,
+    window: Optional[int],
+    document_ids: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """Per-query-head max of the scaled logits over visible pairs, fp32 [Hq], no gradient: the Triton kernel on
+    CUDA when triton is installed, else `chunked_max_logits`."""
+    q, k = q_BSHD.detach(), k_BSKD.detach()
+    if TRITON_AVAILABLE and q.is_cuda and q.dtype in _KERNEL_DTYPES:
+        return _max_logits_kernel_op(q, k, document_ids, float(scale), None if window is None else int(window))
+    return chunked_max_logits(q, k, scale=scale, window=window, document_ids=document_ids)

@@ -22,8 +22,9 @@ which breaks SDPA and varlen on torch 2.11 / 2.13: dependencies.md).
   backward takes dlse), which is what ring attention merges.
 - max_logits (QK-clip): FA4 returns no row max. The LSE only bounds it (max <= lse <= max + log(#visible
   keys), i.e. up to log(262144) = 12.5 too high at 256K), which would clip too often, so the exact value
-  comes from `attention_masks.chunked_max_logits`, a no-grad side pass of the q.k products only (at most
-  the attention forward's q.k share, ~60% of its FLOPs at d_qk 192 / d_v 128; only on steps that record).
+  comes from `attention_masks.attention_max_logits`, a no-grad side pass of the q.k products only (a Triton
+  kernel on CUDA that keeps its tiles on chip: `max_logits_kernels`; at most the attention forward's q.k
+  share, ~60% of its FLOPs at d_qk 192 / d_v 128; only on steps that record).
 
 Only bf16 / fp16 on CUDA; anything else raises with the alternative named. The package is imported lazily.
 """
@@ -171,9 +172,11 @@ def fa4_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max
     out, _ = fa4_attention_lse(q_BSHD, k_BSKD, v_BSKE, scale=scale, window=window, metadata=metadata)
     max_logits = None
     if record_max_logits:
-        from llm_training.layers.attention_masks import chunked_max_logits
+        from llm_training.layers.attention_masks import attention_max_logits
 
-        max_logits = chunked_max_logits(q_BSHD, k_BSKD, scale=scale, window=window, document_ids=metadata.document_ids)
+        max_logits = attention_max_logits(
+            q_BSHD, k_BSKD, scale=scale, window=window, document_ids=metadata.document_ids
+        )
     return out, max_logits
 
 

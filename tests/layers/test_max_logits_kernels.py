@@ -1,0 +1,100 @@
+"""QK-clip's max-logit kernel (`layers.max_logits_kernels`) against the float64 per-query loop of test_attention:
+causal, sliding windows, packed documents (a document starting inside a key block, one row without documents),
+GQA, head dims that are not a multiple of the kernel's 64-column dots, lengths that are not a multiple of its
+blocks; bf16 and fp32 inputs. On CUDA, or on the CPU under the Triton interpreter (tests/triton_kernels.py).
+`document_starts`, the kernel's key-range bound, is pure torch and runs everywhere."""
+
+import pytest
+import torch
+
+from llm_training.layers.attention_masks import attention_max_logits, document_starts
+from tests.layers.test_attention import loop_attention
+from tests.triton_kernels import KERNEL_DEVICE, needs_triton_kernels
+
+
+def test_document_starts():
+    docs = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5], [1, 2, 2, 1, 1, 1, 3, 3]])
+    assert document_starts(docs).tolist() == [
+        [0, 0, 0, 3, 3, 5, 5, 5],
+        [0] * 8,
+        [0, 1, 1, 3, 3, 3, 6, 6],  # an id that returns later is a new document (contiguous runs)
+    ]
+    assert document_starts(docs).dtype == torch.int32
+
+
+CASES = [  # (B, S, Hq, Hkv, D)
+    (2, 45, 4, 2, 24),  # S not a multiple of the 16-row blocks below, GQA 2
+    (1, 70, 2, 1, 192),  # the GDLA head dim: three 64-column dots
+    (2, 33, 3, 3, 5),  # a head dim under the dot's 16
+]
+
+
+def _docs(B, S):
+    """Row 0: documents of 7, 20 and the rest (starts inside 16-key blocks); the others one document each."""
+    docs = torch.zeros(B, S, dtype=torch.long)
+    docs[0, 7:27] = 1
+    docs[0, 27:] = 2
+    return docs
+
+
+@pytest.mark.gpu
+@needs_triton_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("window", [None, 5, 20])
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_kernel_matches_loop(case, window, with_docs, dtype):
+    from llm_training.layers.max_logits_kernels import max_logits
+
+    B, S, Hq, Hkv, D = case
+    g = torch.Generator().manual_seed(sum(case))
+    q = torch.randn(B, S, Hq, D, generator=g).to(dtype)
+    k = torch.randn(B, S, Hkv, D, generator=g).to(dtype)
+    docs = _docs(B, S) if with_docs else None
+    _, want = loop_attention(q.double(), k.double(), k[..., :1].double(), 0.3, window, docs)
+    dev = KERNEL_DEVICE
+    got = max_logits(
+        q.to(dev), k.to(dev), scale=0.3, window=window, document_ids=None if docs is None else docs.to(dev),
+        block_m=16, block_n=16,
+    )  # fmt: skip
+    assert got.dtype == torch.float32 and got.shape == (Hq,)
+    # inputs exact in bf16 / fp32; fp32 accumulation over D terms (tf32 is not used: fp32 inputs take ieee dots)
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_triton_kernels
+def test_default_blocks_and_transposed_inputs():
+    """The default 64 x 64 blocks, and q / k given as non-contiguous views (as attention hands them over)."""
+    from llm_training.layers.max_logits_kernels import max_logits
+
+    g = torch.Generator().manual_seed(3)
+    B, S, Hq, Hkv, D = 1, 150, 4, 2, 32
+    q_BHSD = torch.randn(B, Hq, S, D, generator=g)
+    k_BHSD = torch.randn(B, Hkv, S, D, generator=g)
+    q, k = q_BHSD.transpose(1, 2), k_BHSD.transpose(1, 2)  # [B, S, H, D] views
+    docs = torch.zeros(B, S, dtype=torch.long)
+    docs[0, 90:] = 1
+    _, want = loop_attention(q.double(), k.double(), k[..., :1].double(), 0.125, 64, docs)
+    dev = KERNEL_DEVICE
+    got = max_logits(q.to(dev), k.to(dev), scale=0.125, window=64, document_ids=docs.to(dev))
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the dispatch to the kernel is on CUDA")
+def test_dispatch_on_cuda_compiles_and_matches_chunked_pass():
+    """attention_max_logits on CUDA runs the kernel as a custom op: inside torch.compile (fullgraph) it gives the
+    torch-ops side pass's value."""
+    from llm_training.layers.attention_masks import chunked_max_logits
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 256, 8, 192, generator=g, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 256, 2, 192, generator=g, device="cuda", dtype=torch.bfloat16)
+    docs = torch.zeros(2, 256, dtype=torch.long, device="cuda")
+    docs[1, 100:] = 1
+    fn = torch.compile(
+        lambda q, k, d: attention_max_logits(q, k, scale=0.07, window=128, document_ids=d), fullgraph=True
+    )
+    want = chunked_max_logits(q.float(), k.float(), scale=0.07, window=128, document_ids=docs)
+    torch.testing.assert_close(fn(q, k, docs), want, atol=1e-4, rtol=1e-4)
