@@ -64,8 +64,10 @@ def test_kernel_matches_loop(case, window, with_docs, dtype):
 
 @pytest.mark.gpu
 @needs_triton_kernels
-def test_default_blocks_and_transposed_inputs():
-    """The default 64 x 64 blocks, and q / k given as non-contiguous views (as attention hands them over)."""
+@pytest.mark.parametrize("window", [64, None])
+def test_default_tilings_and_transposed_inputs(window):
+    """The default tilings (64 x 64 for windows, 128 x 128 for full causal), and q / k given as non-contiguous
+    views (as attention hands them over)."""
     from llm_training.layers.max_logits_kernels import max_logits
 
     g = torch.Generator().manual_seed(3)
@@ -75,9 +77,9 @@ def test_default_blocks_and_transposed_inputs():
     q, k = q_BHSD.transpose(1, 2), k_BHSD.transpose(1, 2)  # [B, S, H, D] views
     docs = torch.zeros(B, S, dtype=torch.long)
     docs[0, 90:] = 1
-    _, want = loop_attention(q.double(), k.double(), k[..., :1].double(), 0.125, 64, docs)
+    _, want = loop_attention(q.double(), k.double(), k[..., :1].double(), 0.125, window, docs)
     dev = KERNEL_DEVICE
-    got = max_logits(q.to(dev), k.to(dev), scale=0.125, window=64, document_ids=docs.to(dev))
+    got = max_logits(q.to(dev), k.to(dev), scale=0.125, window=window, document_ids=docs.to(dev))
     torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
 
 
