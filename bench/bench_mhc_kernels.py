@@ -21,8 +21,10 @@ from cuda_timing import cuda_time_ms
 
 from llm_training.layers import mhc_kernels as K
 
-# mix / collapse: (block_h, num_warps); on the H200 128 x 4 was the best of (128, 4), (256, 4), (512, 8), (256, 2)
+# collapse: (block_h, num_warps); on the H200 128 x 4 was the best of (128, 4), (256, 4), (512, 8), (256, 2)
 TOKEN_TILINGS = [(64, 2), (64, 4), (128, 2), (128, 4), (256, 2)]
+# mix: each candidate layout of its kernel (mhc_kernels.MIX_LAYOUTS) in these tilings
+MIX_TILINGS = [(64, 2), (128, 4), (256, 4), (256, 8), (512, 8)]
 
 
 def _rel(a, b):
@@ -87,21 +89,25 @@ def main(argv=None) -> int:
     for from_source in (False, True):
         xs, s = (None, src) if from_source else (x, (None,) * 4)
         read_x = stream + (vec if from_source else 0)
+        for layout in K.MIX_LAYOUTS:
+            for bh, nw in MIX_TILINGS:
+                tiling = f"{layout}, block_h {bh}, warps {nw}"
+                cases.append(("mix", from_source, tiling,
+                              lambda xs=xs, s=s, bh=bh, nw=nw, lay=layout: K.mix_backward(g, xs, h, p, y, s, bh, nw, lay),
+                              2 * stream + read_x + 2 * vec))  # fmt: skip
         for bh, nw in TOKEN_TILINGS:
             tiling = f"block_h {bh}, warps {nw}"
-            cases.append(("mix", from_source, tiling, lambda xs=xs, s=s, bh=bh, nw=nw: K.mix_backward(g, xs, h, p, y, s, bh, nw),
-                          2 * stream + read_x + 2 * vec))  # fmt: skip
             cases.append(("collapse", from_source, tiling, lambda xs=xs, s=s, bh=bh, nw=nw: K.collapse_backward(y, xs, p, s, bh, nw),
                           stream + read_x + vec))  # fmt: skip
     rows = []
-    print(f"{'kernel':<11}{'source':>7}  {'tiling':<32}{'ms':>8}{'GB/s':>8}  rel. error of the outputs")
+    print(f"{'kernel':<11}{'source':>7}  {'tiling':<34}{'ms':>8}{'GB/s':>8}  rel. error of the outputs")
     for name, from_source, tiling, fn, nbytes in cases:
         out = fn()
         errs = [_rel(out[0], ref[name][0]), _rel(out[1], ref[name][1])]
         ms = statistics.median(cuda_time_ms(fn, warmup=3, repeats=a.repeats))
         rows.append({"kernel": name, "from_source": from_source, "tiling": tiling, "ms": ms,
                      "gb_per_s": nbytes / ms / 1e6, "bytes": nbytes, "rel_errors": errs})  # fmt: skip
-        print(f"{name:<11}{from_source!s:>7}  {tiling:<32}{ms:8.3f}{nbytes / ms / 1e6:8.0f}  "
+        print(f"{name:<11}{from_source!s:>7}  {tiling:<34}{ms:8.3f}{nbytes / ms / 1e6:8.0f}  "
               + ", ".join(f"{e:.1e}" for e in errs), flush=True)  # fmt: skip
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     report = {"gpu": torch.cuda.get_device_name(), "T": T, "n": n, "H": H, "rows": rows, "functions": []}

@@ -113,6 +113,60 @@ def _mix_backward_kernel(
     tl.store(dp_ptr + t * n + qi, pair, mask=qvalid & (qj == n))
 
 
+# Candidate layouts of the same backward (session 9, measured against "pairs20" by bench/bench_mhc_kernels.py):
+# "pairs16" keeps the pair rows but only the n x n (stream, stream) ones (16 rows at n = 4, no padding rows), dp from
+# the n g rows times y on their own; "grid3d" rebuilds X once per column step as n rows and accumulates dH as an
+# [n, n, BLOCK_H] tile of g[i] X[j] products (broadcasts only, no per-step reduction).
+@triton.jit
+def _mix_backward_v2_kernel(
+    g_ptr, x_ptr, sh_ptr, sp_ptr, sy_ptr, h_ptr, p_ptr, y_ptr,
+    dx_ptr, dh_ptr, dp_ptr, dy_ptr,
+    H: tl.constexpr, n: tl.constexpr, NP: tl.constexpr, BLOCK_H: tl.constexpr, FROM_SOURCE: tl.constexpr,
+    GRID3D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, NP)  # stream rows (NP = n rounded up to a power of two)
+    rvalid = r < n
+    q = tl.arange(0, NP * NP)  # pair rows q = i * NP + j (pairs16)
+    qi, qj = q // NP, q % NP
+    qvalid = (qi < n) & (qj < n)
+    if GRID3D:
+        acc_gx = tl.zeros((NP, NP, BLOCK_H), dtype=tl.float32)  # [i, j, c]: g[i] X[j]
+    else:
+        acc_gx = tl.zeros((NP * NP, BLOCK_H), dtype=tl.float32)  # [i * NP + j, c]: g[i] X[j]
+    acc_gy = tl.zeros((NP, BLOCK_H), dtype=tl.float32)  # [i, c]: g[i] y
+    for h0 in range(0, H, BLOCK_H):
+        c = h0 + tl.arange(0, BLOCK_H)
+        cvalid = c < H
+        dx = tl.zeros((NP, BLOCK_H), dtype=tl.float32)  # dX[j] = sum_i H[i, j] g[i]
+        dy = tl.zeros((BLOCK_H,), dtype=tl.float32)  # dy = sum_i p[i] g[i]
+        for i in tl.static_range(n):
+            gi = tl.load(g_ptr + t * n * H + i * H + c, mask=cvalid, other=0.0).to(tl.float32)
+            dx += tl.load(h_ptr + t * n * n + i * n + r, mask=rvalid, other=0.0)[:, None] * gi[None, :]
+            dy += tl.load(p_ptr + t * n + i) * gi
+        _store(dx_ptr + t * n * H + r[:, None] * H + c[None, :], dx, rvalid[:, None] & cvalid[None, :])
+        _store(dy_ptr + t * H + c, dy, cvalid)
+        g = tl.load(g_ptr + t * n * H + r[:, None] * H + c[None, :], mask=rvalid[:, None] & cvalid[None, :], other=0.0)
+        g = g.to(tl.float32)
+        y = tl.load(y_ptr + t * H + c, mask=cvalid, other=0.0).to(tl.float32)
+        acc_gy += g * y[None, :]
+        if GRID3D:
+            x = _stream_rows(x_ptr, sh_ptr, sp_ptr, sy_ptr, t, r, rvalid, c, cvalid, n, H, FROM_SOURCE)
+            acc_gx += g[:, None, :] * x[None, :, :]
+        else:
+            gq = tl.load(g_ptr + t * n * H + qi[:, None] * H + c[None, :], mask=qvalid[:, None] & cvalid[None, :],
+                         other=0.0)  # fmt: skip
+            xq = _stream_rows(x_ptr, sh_ptr, sp_ptr, sy_ptr, t, qj, qvalid, c, cvalid, n, H, FROM_SOURCE)
+            acc_gx += gq.to(tl.float32) * xq
+    if GRID3D:
+        pair = tl.sum(acc_gx, axis=2)  # [NP, NP]
+        tl.store(dh_ptr + t * n * n + r[:, None] * n + r[None, :], pair, mask=rvalid[:, None] & rvalid[None, :])
+    else:
+        pair = tl.sum(acc_gx, axis=1)  # [NP * NP]
+        tl.store(dh_ptr + t * n * n + qi * n + qj, pair, mask=qvalid)
+    tl.store(dp_ptr + t * n + r, tl.sum(acc_gy, axis=1), mask=rvalid)
+
+
 @triton.jit
 def _collapse_backward_kernel(
     gu_ptr, x_ptr, sh_ptr, sp_ptr, sy_ptr, h_ptr, dx_ptr, dh_ptr,
@@ -139,10 +193,17 @@ def _source_args(x: torch.Tensor, source: tuple) -> tuple:
     return x0.contiguous(), h0.contiguous(), p0.contiguous(), y0.contiguous(), True
 
 
-def mix_backward(g_TnH, x_TnH, h_Tnn, p_Tn, y_TH, source=(None,) * 4, block_h=_BLOCK_H, num_warps=_NUM_WARPS):
+MIX_LAYOUTS = ("pairs20", "pairs16", "grid3d")
+_MIX_TILING = ("pairs20", 128, 4)  # (layout, block_h, num_warps) of mix_backward
+
+
+def mix_backward(g_TnH, x_TnH, h_Tnn, p_Tn, y_TH, source=(None,) * 4, block_h=None, num_warps=None, layout=None):
     """(dX [T, n, H] in X's dtype, dH [T, n, n] fp32, dp [T, n] fp32, dy [T, H] in y's dtype) of
     X' = H X + p y, from g = dX'; X given, or rebuilt from `source` (X0, H0, p0, y0). block_h, num_warps: the
     tiling (bench/bench_mhc_kernels.py compares some)."""
+    layout = _MIX_TILING[0] if layout is None else layout
+    block_h = _MIX_TILING[1] if block_h is None else block_h
+    num_warps = _MIX_TILING[2] if num_warps is None else num_warps
     T, n, H = g_TnH.shape
     xs, sh, sp, sy, from_source = _source_args(x_TnH, source)
     dtype = (source[0] if from_source else x_TnH).dtype
@@ -150,11 +211,31 @@ def mix_backward(g_TnH, x_TnH, h_Tnn, p_Tn, y_TH, source=(None,) * 4, block_h=_B
     dh = torch.empty(T, n, n, dtype=torch.float32, device=g_TnH.device)
     dp = torch.empty(T, n, dtype=torch.float32, device=g_TnH.device)
     dy = torch.empty(T, H, dtype=y_TH.dtype, device=g_TnH.device)
-    _mix_backward_kernel[(T,)](
-        g_TnH.contiguous(), xs, sh, sp, sy, h_Tnn.contiguous(), p_Tn.contiguous(), y_TH.contiguous(),
-        dx, dh, dp, dy, H, n, triton.next_power_of_2(n + 1), triton.next_power_of_2(n * (n + 1)), block_h, from_source,
-        num_warps=num_warps,
-    )  # fmt: skip
+    args = (
+        g_TnH.contiguous(),
+        xs,
+        sh,
+        sp,
+        sy,
+        h_Tnn.contiguous(),
+        p_Tn.contiguous(),
+        y_TH.contiguous(),
+        dx,
+        dh,
+        dp,
+        dy,
+    )
+    if layout == "pairs20":
+        _mix_backward_kernel[(T,)](
+            *args, H, n, triton.next_power_of_2(n + 1), triton.next_power_of_2(n * (n + 1)), block_h, from_source,
+            num_warps=num_warps,
+        )  # fmt: skip
+    elif layout in MIX_LAYOUTS:
+        _mix_backward_v2_kernel[(T,)](
+            *args, H, n, triton.next_power_of_2(n), block_h, from_source, layout == "grid3d", num_warps=num_warps
+        )
+    else:
+        raise ValueError(f"mix_backward: unknown layout {layout!r}; one of {MIX_LAYOUTS}")
     return dx, dh, dp, dy
 
 
