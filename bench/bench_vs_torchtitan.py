@@ -415,7 +415,8 @@ def run_worker(case: Case) -> dict:
 def profile_kernel_groups(step, first_index: int, steps: int) -> tuple[list[dict], list[dict]]:
     """`steps` more optimizer steps under torch.profiler (CUDA kernels only); their kernel time by cost group
     (bench/kernel_groups.py: optimizer ranges, GEMM kinds, attention, copies/casts, ...) and the 120 kernels
-    that take the most time, per step (the JSON has all 120; the log prints those over 0.5 ms per step)."""
+    that take the most time, per step (the JSON has all 120, names cut at 200 characters: the mangled CUTLASS names
+    run to thousands; the log prints those over 0.5 ms per step)."""
     import torch
     from kernel_groups import format_groups, group_kernels, top_kernels
     from torch.profiler import ProfilerActivity, profile
@@ -428,7 +429,7 @@ def profile_kernel_groups(step, first_index: int, steps: int) -> tuple[list[dict
     groups = group_kernels(events)
     print(format_groups(groups, steps), flush=True)
     top = [
-        {"group": g, "kernel": k, "ms_per_step": ms / steps, "launches_per_step": calls / steps}
+        {"group": g, "kernel": k[:200], "ms_per_step": ms / steps, "launches_per_step": calls / steps}
         for g, k, ms, calls in top_kernels(events, n=120)
     ]
     for t in (t for t in top if t["ms_per_step"] >= 0.5):
