@@ -446,12 +446,14 @@ def run_case_subprocess(
     `alloc_conf`: PYTORCH_CUDA_ALLOC_CONF of the case (the same for every system). `warm_restart`: a compiled case
     then runs once more (one step) in a new interpreter over the compile caches the first run left, as a restarted
     run with `[compile] cache_folder` does; the row's "warm_restart" gives that run's first-step and compile times."""
-    # a fresh inductor / triton cache per case (outside log_dir, which keeps only logs and results): the first-step
-    # time is a cold compile, whatever ran before
+    # a fresh inductor / triton / flash-attn-4 cache per case (outside log_dir, which keeps only logs and results):
+    # the first-step time is a cold compile, whatever ran before, and a warm restart finds all three (as a run
+    # restarted over `[compile] cache_folder` does)
     stem = case.name.replace("@", "_").replace("+", "_")
     cache = Path(tempfile.mkdtemp(prefix=f"bench_vs_torchtitan_cache_{stem}_"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-           "TRITON_CACHE_DIR": str(cache / "triton")}  # fmt: skip
+           "TRITON_CACHE_DIR": str(cache / "triton"), "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(cache / "fa4"),
+           "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1"}  # fmt: skip
     if alloc_conf:
         env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
     row = _run_worker_process(case, timeout_s, log_dir / f"{stem}.json", env)

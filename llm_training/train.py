@@ -1,7 +1,8 @@
 """Entrypoint: `python -m llm_training.train --job.config_file X.toml [--section.key=value ...]`.
 
 Also runs under torchrun (`torchrun --nproc_per_node N -m llm_training.train ...`). Order of work:
-parse + validate the config (no torch.distributed, no GPU yet) -> set up logging -> `setup_distributed` (once:
+parse + validate the config (no torch.distributed, no GPU yet) -> the compiled-kernel caches into the run folder
+(`[compile] cache_folder`; before anything imports flash-attn-4) -> set up logging -> `setup_distributed` (once:
 device, process group (nccl on CUDA, gloo on CPU), device mesh) -> write the resolved config to
 <dump_folder>/<run_name>/config.toml -> run() -> the trainer.
 `--job.dry_run` replaces everything after validation with the dry run (llm_training/dry_run.py): the setup of
@@ -29,6 +30,7 @@ from llm_training.config import (
     validate_for_world_size,
 )
 from llm_training.distributed import ParallelDims
+from llm_training.distributed.compile import use_kernel_caches
 from llm_training.distributed.utils import destroy_process_group, env_rank, env_world_size, setup_distributed
 
 logger = logging.getLogger("llm_training")
@@ -91,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return dry_run(job_config)
         parallel_dims = validate_for_world_size(job_config, env_world_size())
+        c = job_config.compile  # the caches before validate_environment, which may import flash-attn-4
+        caches = use_kernel_caches(job_config.run_folder / c.cache_folder if c.cache_folder else None)
         validate_environment(job_config)  # data, tokenizer, optional packages: exit 2, before any setup
         init_logging(rank)
+        logger.info("compiled-kernel caches: %s", ", ".join(f"{k}={v}" for k, v in caches.items()) or "the defaults")
         device, _ = setup_distributed(job_config.training.device, parallel_dims)
     except ConfigError as e:
         if rank == 0:

@@ -231,9 +231,10 @@ class Compile:
     )
     cache_folder: str = option(
         "compile_cache",
-        "torch.compile's caches (compiled graphs, Triton kernels), relative to <dump_folder>/<run_name>/: a "
-        "restarted or resumed run reuses them instead of compiling again; empty: torch's default under /tmp, "
-        "lost with the container. TORCHINDUCTOR_CACHE_DIR, when set, wins",
+        "the compiled-kernel caches (torch.compile's graphs and Triton kernels, our Triton kernels, flash-attn-4's), "
+        "relative to <dump_folder>/<run_name>/: a restarted or resumed run reuses them instead of compiling again; "
+        "empty: each library's default under /tmp or ~, lost with the container. TORCHINDUCTOR_CACHE_DIR, "
+        "TRITON_CACHE_DIR, FLASH_ATTENTION_CUTE_DSL_CACHE_DIR, when set, win",
     )
 
 

@@ -36,19 +36,31 @@ def apply_compile(blocks: list[nn.Module], backend: str = "inductor") -> None:
         block.compile(backend=backend)
 
 
-def use_compile_cache(folder: Path | None) -> str | None:
-    """Point torch.compile's on-disk caches (inductor's FX-graph and AOTAutograd caches, and under them the Triton
-    kernels) at `folder`, unless TORCHINDUCTOR_CACHE_DIR is set already (the environment wins) or `folder` is None
-    (torch's default under /tmp). A run restarted in the same run folder then loads its compiled blocks instead of
-    compiling them again; the caches are keyed on the graph, the torch version and the device, so a changed model
-    or config compiles anew, and ranks may share the folder. Returns the folder in use (None: torch's default)."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    if folder is None:
-        return None
-    folder.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder.resolve())
-    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+# The on-disk caches of compiled kernels that `use_kernel_caches` points into one folder: environment variable and
+# the sub-folder it gets ("" = the folder itself).
+KERNEL_CACHE_VARIABLES = (
+    ("TORCHINDUCTOR_CACHE_DIR", ""),  # torch.compile: FX-graph and AOTAutograd caches, inductor's Triton kernels
+    ("TRITON_CACHE_DIR", "triton"),  # our own Triton kernels (mHC, loss, max logits, PolyNorm, Sinkhorn)
+    ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "flash_attn_cute"),  # flash-attn-4's CuTe DSL kernels
+)
+
+
+def use_kernel_caches(folder: Path | None) -> dict[str, str]:
+    """Point the on-disk caches of compiled kernels (`KERNEL_CACHE_VARIABLES`) at `folder` and its sub-folders, and
+    turn flash-attn-4's persistent cache on (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1), so that a run restarted in
+    the same run folder loads its compiled blocks and kernels instead of compiling them again (the caches are keyed
+    on the code, the library versions and the device: a changed model or config compiles anew; ranks may share the
+    folder). A variable the environment sets already wins, and FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 keeps
+    flash-attn-4's cache off; `folder` None changes nothing (each library's default, under /tmp or ~, lost with the
+    container). The libraries create the folders as they write. flash-attn-4 reads its variables once, when
+    `flash_attn.cute` is first imported, so this runs before anything imports it (train.py: before validating the
+    environment). Returns {variable: folder} of the caches set, by this call or the environment."""
+    if folder is not None:
+        root = folder.resolve()
+        for name, sub in KERNEL_CACHE_VARIABLES:
+            os.environ.setdefault(name, str(root / sub) if sub else str(root))
+        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    return {name: os.environ[name] for name, _ in KERNEL_CACHE_VARIABLES if os.environ.get(name)}
 
 
 def reset_compile_stats() -> None:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from llm_training.config import grad_accumulation_steps, to_toml
-from llm_training.distributed.compile import compile_progress, use_compile_cache
+from llm_training.distributed.compile import compile_progress
 from llm_training.distributed.utils import all_reduce_, clip_grad_norm_, rank, world_size
 from llm_training.model_spec import StepStat
 from llm_training.motif import param_counts, training_flops_per_token
@@ -210,9 +210,6 @@ class Trainer:
         if init_full_first:
             torch.manual_seed(t.seed)
             self.model.init_weights(buffer_device=self.device)
-        if c.compile.enable:
-            cache = use_compile_cache(c.run_folder / c.compile.cache_folder if c.compile.cache_folder else None)
-            logger.info("torch.compile cache: %s", cache or "torch's default (under /tmp)")
         self.converters = apply_converters(self.model, c)  # low precision: before parallelization
         self.parallel = spec.parallelize(self.model, parallel_dims, c, self.device)
         if not init_full_first:

@@ -159,7 +159,8 @@ def test_warm_restart_reruns_a_compiled_case_over_the_caches_of_its_first_run(tm
     calls = []
 
     def fake_worker(case, timeout_s, result, env):
-        calls.append((case, result.name, env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"]))
+        calls.append((case, result.name, env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"],
+                      env["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"]))  # fmt: skip
         first = 12.5 if "warm" in result.name else 95.0
         return {**_row(case.system, case.group, 30000.0, 300.0, 350.0), "first_step_s": first, "compile_time_s": {}}
 
@@ -169,7 +170,7 @@ def test_warm_restart_reruns_a_compiled_case_over_the_caches_of_its_first_run(tm
     (cold, cold_file, *cold_cache), (warm, warm_file, *warm_cache) = calls
     assert cold == compiled and cold_file == "ours_nomtp_adamw_accum.json"
     assert (warm.steps, warm.warmup, warm.profile_steps) == (1, 0, 0) and warm_file.endswith("_warm_restart.json")
-    assert warm_cache == cold_cache  # the same inductor and triton caches
+    assert warm_cache == cold_cache  # the same inductor, triton and flash-attn-4 caches
     assert row["first_step_s"] == 95.0 and row["warm_restart"]["first_step_s"] == 12.5
     assert "restarted over its compile cache: first step 12.5 s (cold 95.0 s)" in bvt.format_table([row], [])
     calls.clear()

@@ -122,16 +122,31 @@ def test_compile_progress_logs_while_the_body_runs_and_stops_after():
     assert all(ln.startswith("[compile] ") and "into the first step" in ln for ln in lines), lines
 
 
-def test_compile_cache_goes_to_the_run_folder_unless_the_environment_names_one(tmp_path, monkeypatch):
+def test_kernel_caches_go_to_the_run_folder_unless_the_environment_names_them(tmp_path, monkeypatch):
     from torch._inductor.runtime.cache_dir_utils import cache_dir, triton_cache_dir
 
-    from llm_training.distributed.compile import use_compile_cache
+    from llm_training.distributed.compile import KERNEL_CACHE_VARIABLES, use_kernel_caches
 
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    assert use_compile_cache(None) is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    names = [name for name, _ in KERNEL_CACHE_VARIABLES] + ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"]
+    for name in names:  # set, then delete: monkeypatch restores each variable as it was, set or not
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    assert use_kernel_caches(None) == {} and not any(name in os.environ for name in names)
     folder = tmp_path / "run" / "compile_cache"
-    assert use_compile_cache(folder) == str(folder.resolve()) and folder.is_dir()
-    assert cache_dir() == str(folder.resolve()) and triton_cache_dir(0).startswith(str(folder.resolve()))
+    root = str(folder.resolve())
+    assert use_kernel_caches(folder) == {
+        "TORCHINDUCTOR_CACHE_DIR": root,
+        "TRITON_CACHE_DIR": f"{root}/triton",
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": f"{root}/flash_attn_cute",
+    }
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    assert cache_dir() == root and triton_cache_dir(0).startswith(root)  # inductor reads them as it compiles
+    # what the environment sets wins, including flash-attn-4's cache left off
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    assert use_compile_cache(tmp_path / "other") == str(tmp_path / "mine") and not (tmp_path / "other").exists()
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
+    got = use_kernel_caches(tmp_path / "other")
+    assert got["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    assert got["TRITON_CACHE_DIR"] == str((tmp_path / "other").resolve() / "triton")
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "0"
