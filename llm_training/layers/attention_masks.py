@@ -100,7 +100,10 @@ def _max_logits_kernel_op(
 ) -> torch.Tensor:
     from llm_training.layers import max_logits_kernels  # imports triton
 
-    return max_logits_kernels.max_logits(q, k, scale=scale, window=window, document_ids=document_ids)
+    starts = None if document_ids is None else document_starts(document_ids)
+    return max_logits_kernels.max_logits(
+        q, k, scale=scale, window=window, document_ids=document_ids, document_starts=starts
+    )
 
 
 @_max_logits_kernel_op.register_fake

@@ -30,8 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from llm_training.layers.attention_masks import document_starts
-
 # (block_m, block_n, num_warps), the fastest of bench/bench_max_logits.py's tilings on the H200 at the motif3_proxy
 # shape (B 4, S 4096, 80 / 16 heads, d 192, two documents per row), session 9: full causal 2.09 ms at 128 x 128 with
 # 8 warps (64 x 64, 4 warps: 3.03 ms); window 128 0.73 ms at 64 x 64 with 4 warps (128 x 128, 8 warps: 0.77 ms)
@@ -115,12 +113,14 @@ def max_logits(
     scale: float,
     window: Optional[int],
     document_ids: Optional[torch.Tensor],
+    document_starts: Optional[torch.Tensor] = None,
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
 ) -> torch.Tensor:
-    """fp32 [Hq]: the per-query-head max of scale * q.k over visible pairs (module docstring). block_m, block_n,
-    num_warps: the tiling (default: the measured best for full-causal or windowed layers)."""
+    """fp32 [Hq]: the per-query-head max of scale * q.k over visible pairs (module docstring). With `document_ids`,
+    `document_starts` are `attention_masks.document_starts(document_ids)` (this module imports none of ours). block_m,
+    block_n, num_warps: the tiling (default: the measured best for full-causal or windowed layers)."""
     default = _FULL_TILING if window is None else _WINDOW_TILING
     block_m, block_n, num_warps = (v if v is not None else d for v, d in zip((block_m, block_n, num_warps), default))
     B, S, Hq, D = q_BSHD.shape
@@ -131,7 +131,9 @@ def max_logits(
     k = k_BSKD if k_BSKD.stride(-1) == 1 else k_BSKD.contiguous()
     has_docs = document_ids is not None
     docs = document_ids.to(torch.int32).contiguous() if has_docs else q  # unused pointer without documents
-    starts = document_starts(document_ids) if has_docs else q
+    if has_docs and document_starts is None:
+        raise ValueError("max_logits with document_ids needs their document_starts (attention_masks.document_starts)")
+    starts = document_starts.to(torch.int32).contiguous() if has_docs else q
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     block_d = max(16, min(_MAX_BLOCK_D, triton.next_power_of_2(D)))
     grid = (triton.cdiv(S, block_m), B * Hq)

@@ -53,9 +53,10 @@ def test_kernel_matches_loop(case, window, with_docs, dtype):
     docs = _docs(B, S) if with_docs else None
     _, want = loop_attention(q.double(), k.double(), k[..., :1].double(), 0.3, window, docs)
     dev = KERNEL_DEVICE
+    docs_dev = None if docs is None else docs.to(dev)
     got = max_logits(
-        q.to(dev), k.to(dev), scale=0.3, window=window, document_ids=None if docs is None else docs.to(dev),
-        block_m=16, block_n=16,
+        q.to(dev), k.to(dev), scale=0.3, window=window, document_ids=docs_dev,
+        document_starts=None if docs is None else document_starts(docs_dev), block_m=16, block_n=16,
     )  # fmt: skip
     assert got.dtype == torch.float32 and got.shape == (Hq,)
     # inputs exact in bf16 / fp32; fp32 accumulation over D terms (tf32 is not used: fp32 inputs take ieee dots)
@@ -79,7 +80,15 @@ def test_default_tilings_and_transposed_inputs(window):
     docs[0, 90:] = 1
     _, want = loop_attention(q.double(), k.double(), k[..., :1].double(), 0.125, window, docs)
     dev = KERNEL_DEVICE
-    got = max_logits(q.to(dev), k.to(dev), scale=0.125, window=window, document_ids=docs.to(dev))
+    docs_dev = docs.to(dev)
+    got = max_logits(
+        q.to(dev),
+        k.to(dev),
+        scale=0.125,
+        window=window,
+        document_ids=docs_dev,
+        document_starts=document_starts(docs_dev),
+    )
     torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
 
 
@@ -100,3 +109,20 @@ def test_dispatch_on_cuda_compiles_and_matches_chunked_pass():
     )
     want = chunked_max_logits(q.float(), k.float(), scale=0.07, window=128, document_ids=docs)
     torch.testing.assert_close(fn(q, k, docs), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_triton_kernels
+def test_custom_op_computes_document_starts_and_matches_loop():
+    """The custom op attention_max_logits dispatches to on CUDA (here called directly, so it also runs under the
+    interpreter): it derives the document starts itself."""
+    from llm_training.layers.attention_masks import _max_logits_kernel_op
+
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 45, 4, 24, generator=g).to(torch.bfloat16)
+    k = torch.randn(2, 45, 2, 24, generator=g).to(torch.bfloat16)
+    docs = _docs(2, 45)
+    _, want = loop_attention(q.double(), k.double(), k[..., :1].double(), 0.3, 20, docs)
+    dev = KERNEL_DEVICE
+    got = _max_logits_kernel_op(q.to(dev), k.to(dev), docs.to(dev), 0.3, 20)
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
