@@ -50,8 +50,10 @@ def _key_block_max(best, q_base, k_base, doc_ptr, b, S, i, ivalid, doc_i, j0, st
     for d0 in tl.static_range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         dvalid = d < D
-        q = tl.load(q_base + i[:, None] * stride_qs + d[None, :], mask=ivalid[:, None] & dvalid[None, :], other=0.0)
-        kT = tl.load(k_base + j[None, :] * stride_ks + d[:, None], mask=dvalid[:, None] & jvalid[None, :], other=0.0)
+        q_rows = q_base + i.to(tl.int64)[:, None] * stride_qs  # int64: S x stride passes 2^31 at 256K tokens
+        k_cols = k_base + j.to(tl.int64)[None, :] * stride_ks
+        q = tl.load(q_rows + d[None, :], mask=ivalid[:, None] & dvalid[None, :], other=0.0)
+        kT = tl.load(k_cols + d[:, None], mask=dvalid[:, None] & jvalid[None, :], other=0.0)
         if IEEE:  # fp32 inputs, or the interpreter (whose dot misreads bf16): exact fp32 products
             acc = tl.dot(q.to(tl.float32), kT.to(tl.float32), acc, input_precision="ieee")
         else:
