@@ -118,6 +118,34 @@ def _layout_kv(k_BSKD, v_BSKE, n_heads: int, gqa_layout: str):
     raise ValueError(f"unknown FA4 GQA layout {gqa_layout!r}; one of {GQA_LAYOUTS}")
 
 
+@torch.compiler.disable
+def _flash_attn(q, k, v, *, scale, causal, window_size, cu_seqlens=None, max_seqlen=None):
+    """flash-attn-4's forward (with its autograd backward), (out, lse), run eagerly even inside a compiled block:
+    dynamo traced into flash_attn.cute's Python (cython calls, DLPack wrappers, its logger) and broke the graph
+    there instead; on the H200 the compiled motif3_proxy step then had 2386 compiled frames, 25 graphs and 49 graph
+    breaks (FlexAttention: 5, 3, 0) and its forward compile took 46-54 s instead of 24 s (bench_vs_torchtitan,
+    session 9). Disabled, the block's graph breaks once, before this call. cu_seqlens given: the varlen kernel over
+    flattened [T, H, D] tokens. The inputs are checked here (device, dtype: a clear error before the import)."""
+    _check_inputs(q)
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    if cu_seqlens is None:
+        return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, window_size=window_size, return_lse=True)
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k=cu_seqlens,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen,
+        softmax_scale=scale,
+        causal=causal,
+        window_size=window_size,
+        return_lse=True,
+    )
+
+
 def fa4_attention_lse(
     q_BSHD: torch.Tensor,
     k_BSKD: torch.Tensor,
@@ -130,35 +158,27 @@ def fa4_attention_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, S, Hq, Dv] in q's dtype, lse fp32 [B, Hq, S], natural log), both differentiable; the
     visibility of attention_backends (causal, window, metadata's documents via its cu_seqlens)."""
-    _check_inputs(q_BSHD)
-    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-
     B, S, Hq, _ = q_BSHD.shape
     k, v, d_v = _layout_kv(k_BSKD, v_BSKE, Hq, gqa_layout)
     window_size = (None, None) if window is None else (window, 0)
     causal = window is None
     if metadata.document_ids is None:
-        out, lse = flash_attn_func(
-            q_BSHD, k, v, softmax_scale=scale, causal=causal, window_size=window_size, return_lse=True
-        )
+        out, lse = _flash_attn(q_BSHD, k, v, scale=scale, causal=causal, window_size=window_size)
     else:
         if metadata.cu_seqlens is None:
             raise RuntimeError(
                 "attention_backend 'fa4' with documents needs the cu_seqlens of this forward's AttentionMetadata; "
                 "build it with build_attention_metadata('fa4', document_ids, ...)"
             )
-        out, lse = flash_attn_varlen_func(
+        out, lse = _flash_attn(
             q_BSHD.reshape(B * S, Hq, -1),
             k.reshape(B * S, k.shape[2], -1),
             v.reshape(B * S, v.shape[2], -1),
-            cu_seqlens_q=metadata.cu_seqlens,
-            cu_seqlens_k=metadata.cu_seqlens,
-            max_seqlen_q=metadata.max_seqlen,
-            max_seqlen_k=metadata.max_seqlen,
-            softmax_scale=scale,
+            scale=scale,
             causal=causal,
             window_size=window_size,
-            return_lse=True,
+            cu_seqlens=metadata.cu_seqlens,
+            max_seqlen=metadata.max_seqlen,
         )
         out = out.view(B, S, Hq, -1)
         lse = lse.view(Hq, B, S).transpose(0, 1)  # varlen lse is [Hq, total tokens]
@@ -200,12 +220,9 @@ def fa4_block_attention(q_BQHD, k_BKKD, v_BKKE, *, scale, queries, keys, window,
         causal = False
     else:
         raise ValueError(f"fa4_block_attention: key block {keys} neither equals nor precedes query block {queries}")
-    _check_inputs(q_BQHD)
-    from flash_attn.cute import flash_attn_func
-
     Hq = q_BQHD.shape[2]
     k, v, d_v = _layout_kv(k_BKKD, v_BKKE, Hq, DEFAULT_GQA_LAYOUT)
-    out, lse = flash_attn_func(q_BQHD, k, v, softmax_scale=scale, causal=causal, return_lse=True)
+    out, lse = _flash_attn(q_BQHD, k, v, scale=scale, causal=causal, window_size=(None, None))
     if out.shape[-1] != d_v:
         out = out[..., :d_v]
     max_logits = _block_max_logits(q_BQHD, k_BKKD, scale, causal) if record_max_logits else None
