@@ -50,7 +50,7 @@ def use_kernel_caches(folder: Path | None) -> dict[str, str]:
     turn flash-attn-4's persistent cache on (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1), so that a run restarted in
     the same run folder loads its compiled blocks and kernels instead of compiling them again (the caches are keyed
     on the code, the library versions and the device: a changed model or config compiles anew; ranks may share the
-    folder). A variable the environment sets already wins, and FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 keeps
+    folder). A variable the environment sets already (non-empty) wins, and FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 keeps
     flash-attn-4's cache off; `folder` None changes nothing (each library's default, under /tmp or ~, lost with the
     container). The libraries create the folders as they write. flash-attn-4 reads its variables once, when
     `flash_attn.cute` is first imported, so this runs before anything imports it (train.py: before validating the
@@ -58,8 +58,10 @@ def use_kernel_caches(folder: Path | None) -> dict[str, str]:
     if folder is not None:
         root = folder.resolve()
         for name, sub in KERNEL_CACHE_VARIABLES:
-            os.environ.setdefault(name, str(root / sub) if sub else str(root))
-        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+            if not os.environ.get(name):  # unset or empty
+                os.environ[name] = str(root / sub) if sub else str(root)
+        if not os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"):
+            os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"
     return {name: os.environ[name] for name, _ in KERNEL_CACHE_VARIABLES if os.environ.get(name)}
 
 

@@ -91,8 +91,9 @@ def _max_logits_kernel(
         doc_i = tl.load(doc_ptr + b * S + i, mask=ivalid, other=-1)
     lo = (lo // BLOCK_N) * BLOCK_N
     hi = tl.minimum(i0 + BLOCK_M, S)
-    q_base = q_ptr + b * stride_qb + h * stride_qh
-    k_base = k_ptr + b * stride_kb + (h // N_REP) * stride_kh
+    h64 = h.to(tl.int64)  # head-major views have head strides of S x D: h x stride passes 2^31 at 256K tokens
+    q_base = q_ptr + b * stride_qb + h64 * stride_qh
+    k_base = k_ptr + b * stride_kb + (h64 // N_REP) * stride_kh
     best = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     if not INTERPRETED:  # compiled: a for loop, which Triton software-pipelines (the next key block's loads overlap)
         for j0 in range(lo, hi, BLOCK_N):
@@ -133,6 +134,8 @@ def max_logits(
     k = k_BSKD if k_BSKD.stride(-1) == 1 else k_BSKD.contiguous()
     has_docs = document_ids is not None
     docs = document_ids.to(torch.int32).contiguous() if has_docs else q  # unused pointer without documents
+    if has_docs and tuple(document_ids.shape) != (B, S):
+        raise ValueError(f"max_logits: document_ids must be [B, S] = {[B, S]}, got {list(document_ids.shape)}")
     if has_docs and document_starts is None:
         raise ValueError("max_logits with document_ids needs their document_starts (attention_masks.document_starts)")
     starts = document_starts.to(torch.int32).contiguous() if has_docs else q

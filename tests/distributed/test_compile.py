@@ -146,6 +146,7 @@ def test_kernel_caches_go_to_the_run_folder_unless_the_environment_names_them(tm
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")  # empty counts as unset
     got = use_kernel_caches(tmp_path / "other")
     assert got["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
     assert got["TRITON_CACHE_DIR"] == str((tmp_path / "other").resolve() / "triton")

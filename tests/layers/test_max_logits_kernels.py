@@ -126,3 +126,31 @@ def test_custom_op_computes_document_starts_and_matches_loop():
     dev = KERNEL_DEVICE
     got = _max_logits_kernel_op(q.to(dev), k.to(dev), docs.to(dev), 0.3, 20)
     torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_triton_kernels
+def test_head_offsets_past_two_to_the_31():
+    """Head-major views (head stride S x D) put the last heads past 2^31 elements at 256K tokens: the kernel's
+    offsets are 64-bit. Built as strided views over a small buffer whose heads lie 1.1e9 elements apart."""
+    from llm_training.layers.max_logits_kernels import max_logits
+
+    if KERNEL_DEVICE == "cuda":
+        pytest.skip("the view spans ~4.4 GB of address space; the interpreter reads only the touched elements")
+    g = torch.Generator().manual_seed(5)
+    S, H, D, step = 16, 3, 16, 1_100_000_000  # head h at offset h * step: 2.2e9 for h = 2
+    dense = torch.randn(H, S, D, generator=g).to(torch.bfloat16)
+    want = torch.stack(
+        [
+            (dense[h].float() @ dense[h].float().T * 0.2)
+            .masked_fill(torch.ones(S, S).triu(1).bool(), float("-inf"))
+            .max()
+            for h in range(H)
+        ]
+    )
+    storage = torch.empty(2 * step + S * D, dtype=torch.bfloat16)  # untouched pages stay unallocated
+    for h in range(H):
+        storage[h * step : h * step + S * D] = dense[h].reshape(-1)
+    q = storage.as_strided((1, S, H, D), (0, D, step, 1))
+    got = max_logits(q, q, scale=0.2, window=None, document_ids=None, block_m=16, block_n=16)
+    torch.testing.assert_close(got, want)
