@@ -154,3 +154,36 @@ def test_head_offsets_past_two_to_the_31():
     q = storage.as_strided((1, S, H, D), (0, D, step, 1))
     got = max_logits(q, q, scale=0.2, window=None, document_ids=None, block_m=16, block_n=16)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
+@needs_triton_kernels
+@pytest.mark.parametrize("edge", ["diagonal", "window", "document"])
+@pytest.mark.parametrize("i", [30, 32])  # the visible pair inside one 16-key block, or across a block edge
+def test_the_edge_pair_counts_and_the_pair_beyond_it_does_not(edge, i):
+    """One large visible logit exactly at an edge of the visible range and larger ones just past it: the max is
+    the edge pair's (a random-data max would hide a dropped edge pair or an extra pair beyond it)."""
+    from llm_training.layers.max_logits_kernels import max_logits
+
+    S, D, W = 48, 16, 5
+    g = torch.Generator().manual_seed(i)
+    q = torch.randn(1, S, 1, D, generator=g) * 0.01
+    k = torch.randn(1, S, 1, D, generator=g) * 0.01
+    e = torch.zeros(D)
+    e[0] = 1.0
+    q[0, i, 0] = 10 * e
+    j_edge, j_beyond = {"diagonal": (i, i + 1), "window": (i - W, i - W - 1), "document": (i - 3, i - 4)}[edge]
+    k[0, j_edge, 0] = 3 * e  # logit 30, visible
+    k[0, j_beyond, 0] = 5 * e  # logit 50, not visible from row i (other rows see it at ~0.05 x 5)
+    window = W if edge == "window" else None
+    docs = None
+    if edge == "document":
+        docs = torch.zeros(1, S, dtype=torch.long)
+        docs[0, i - 3 :] = 1  # row i's document starts at its edge key
+    dev = KERNEL_DEVICE
+    docs_dev = None if docs is None else docs.to(dev)
+    got = max_logits(
+        q.to(dev), k.to(dev), scale=0.5, window=window, document_ids=docs_dev,
+        document_starts=None if docs is None else document_starts(docs_dev), block_m=16, block_n=16,
+    )  # fmt: skip
+    torch.testing.assert_close(got.cpu(), torch.tensor([15.0]), atol=1e-3, rtol=1e-4)
