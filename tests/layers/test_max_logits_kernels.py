@@ -37,6 +37,18 @@ def _docs(B, S):
     return docs
 
 
+def _run_kernel(q, k, scale, window, docs, **tiling):
+    """The kernel on KERNEL_DEVICE (document starts derived as attention_masks does), its result on the CPU."""
+    from llm_training.layers.max_logits_kernels import max_logits
+
+    dev = KERNEL_DEVICE
+    docs = None if docs is None else docs.to(dev)
+    starts = None if docs is None else document_starts(docs)
+    return max_logits(
+        q.to(dev), k.to(dev), scale=scale, window=window, document_ids=docs, document_starts=starts, **tiling
+    ).cpu()
+
+
 @pytest.mark.gpu
 @needs_triton_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -44,23 +56,16 @@ def _docs(B, S):
 @pytest.mark.parametrize("window", [None, 5, 20])
 @pytest.mark.parametrize("with_docs", [False, True])
 def test_kernel_matches_loop(case, window, with_docs, dtype):
-    from llm_training.layers.max_logits_kernels import max_logits
-
     B, S, Hq, Hkv, D = case
     g = torch.Generator().manual_seed(sum(case))
     q = torch.randn(B, S, Hq, D, generator=g).to(dtype)
     k = torch.randn(B, S, Hkv, D, generator=g).to(dtype)
     docs = _docs(B, S) if with_docs else None
     _, want = loop_attention(q.double(), k.double(), k[..., :1].double(), 0.3, window, docs)
-    dev = KERNEL_DEVICE
-    docs_dev = None if docs is None else docs.to(dev)
-    got = max_logits(
-        q.to(dev), k.to(dev), scale=0.3, window=window, document_ids=docs_dev,
-        document_starts=None if docs is None else document_starts(docs_dev), block_m=16, block_n=16,
-    )  # fmt: skip
+    got = _run_kernel(q, k, 0.3, window, docs, block_m=16, block_n=16)
     assert got.dtype == torch.float32 and got.shape == (Hq,)
     # inputs exact in bf16 / fp32; fp32 accumulation over D terms (tf32 is not used: fp32 inputs take ieee dots)
-    torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
@@ -163,7 +168,6 @@ def test_head_offsets_past_two_to_the_31():
 def test_the_edge_pair_counts_and_the_pair_beyond_it_does_not(edge, i):
     """One large visible logit exactly at an edge of the visible range and larger ones just past it: the max is
     the edge pair's (a random-data max would hide a dropped edge pair or an extra pair beyond it)."""
-    from llm_training.layers.max_logits_kernels import max_logits
 
     S, D, W = 48, 16, 5
     g = torch.Generator().manual_seed(i)
@@ -180,10 +184,5 @@ def test_the_edge_pair_counts_and_the_pair_beyond_it_does_not(edge, i):
     if edge == "document":
         docs = torch.zeros(1, S, dtype=torch.long)
         docs[0, i - 3 :] = 1  # row i's document starts at its edge key
-    dev = KERNEL_DEVICE
-    docs_dev = None if docs is None else docs.to(dev)
-    got = max_logits(
-        q.to(dev), k.to(dev), scale=0.5, window=window, document_ids=docs_dev,
-        document_starts=None if docs is None else document_starts(docs_dev), block_m=16, block_n=16,
-    )  # fmt: skip
-    torch.testing.assert_close(got.cpu(), torch.tensor([15.0]), atol=1e-3, rtol=1e-4)
+    got = _run_kernel(q, k, 0.5, window, docs, block_m=16, block_n=16)
+    torch.testing.assert_close(got, torch.tensor([15.0]), atol=1e-3, rtol=1e-4)
