@@ -28,7 +28,7 @@ Reductions over H and over n are fp32; their order differs from the torch path (
 holds both to fp32 rounding). H is a compile-time constant (one specialisation per model width, and the Triton
 interpreter's loops need constant bounds). The tilings (block_h, num_warps) are arguments; the defaults were the
 fastest of bench/bench_mhc_kernels.py's on the H200: mix 64 columns x 2 warps (summed over both stream modes; 128 x 4
-within 2%, 256 and 512 columns 15-95% slower), collapse 128 x 4 (within 15% across them).
+within 1%, 256 and 512 columns 22-85% slower), collapse 128 x 4 (within 15% across them).
 """
 
 from __future__ import annotations
