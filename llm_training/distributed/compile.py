@@ -50,9 +50,9 @@ def use_kernel_caches(folder: Path | None) -> dict[str, str]:
     turn flash-attn-4's persistent cache on (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1), so that a run restarted in
     the same run folder loads its compiled blocks and kernels instead of compiling them again (the caches are keyed
     on the code, the library versions and the device: a changed model or config compiles anew; ranks may share the
-    folder). A variable the environment sets already (non-empty) wins, and FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 keeps
-    flash-attn-4's cache off; `folder` None changes nothing (each library's default, under /tmp or ~, lost with the
-    container). The libraries create the folders as they write. flash-attn-4 reads its variables once, when
+    folder). A variable the environment sets already (non-empty) wins, and FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0
+    keeps flash-attn-4's cache off; `folder` None changes nothing (each library's default, under /tmp or ~, lost
+    with the container). The libraries create the folders as they write. flash-attn-4 reads its variables once, when
     `flash_attn.cute` is first imported, so this runs before anything imports it (train.py: before validating the
     environment). Returns {variable: folder} of the caches set, by this call or the environment."""
     if folder is not None:

@@ -63,7 +63,7 @@ def _store(ptr, x, mask):
 @triton.jit
 def _stream_rows(x_ptr, sh_ptr, sp_ptr, sy_ptr, t, rows, rvalid, c, cvalid, n: tl.constexpr, H: tl.constexpr,
                  FROM_SOURCE: tl.constexpr):  # fmt: skip
-    """fp32 [len(rows), BLOCK_H] tile of X[t, rows, c] (rows may repeat; invalid rows are 0): loaded, or rebuilt
+    """fp32 [len(rows), BLOCK_H] tile of X[t, rows, c] (invalid rows are 0): loaded, or rebuilt
     from the source as X[j] = sum_l H0[j, l] X0[l] + p0[j] y0 (fp32 FMAs over the n source rows, each read once
     per tile and broadcast to every row) and rounded to X's dtype as the forward stored it."""
     if FROM_SOURCE:
