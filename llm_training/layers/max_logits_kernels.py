@@ -1,7 +1,7 @@
 """Triton kernel of QK-clip's exact max-logit side pass (`attention_masks.attention_max_logits`), imported only
 where triton is.
 
-    max_logits(q_BSHD, k_BSKD, *, scale, window, document_ids) -> fp32 [Hq]
+    max_logits(q_BSHD, k_BSKD, *, scale, window, document_ids, document_starts) -> fp32 [Hq]
 
 The per-query-head max of scale * q.k over the visible pairs (causal, optional sliding window W: key j visible
 iff i - W <= j <= i, optional packed documents: same id in the same row), flash-attention style: one program per
@@ -12,10 +12,10 @@ max; the host reduces them (deterministic, no atomics) and scales in fp32 (scale
 scale then max).
 
 Why: the fused attention kernels that return no logits (flash-attn-4, cuDNN SDPA) needed a side pass of torch
-tensor ops (`chunked_max_logits`): bf16 tiles of [B, Hq, 1024, 1024] logits written, masked and reduced, ~7 ms
-per full-attention layer and micro-batch at the motif3_proxy shape (B 4, S 4096, 80 heads) on the H200; with
-flash-attn-4 that side pass cost more than the attention kernels saved over FlexAttention (bench/results,
-session 9). This kernel reads q and k once per key block from L2 and writes 4 bytes per program.
+tensor ops (`chunked_max_logits`): bf16 tiles of [B, Hq, 1024, 1024] logits written, masked and reduced, 25.3 ms
+per full-attention layer and 12.3 ms per window layer per micro-batch at the motif3_proxy shape (B 4, S 4096, 80
+heads) on the H200 (bench/bench_max_logits.py); with flash-attn-4 that side pass cost as much as the attention
+kernels saved over FlexAttention (bench/results, session 9). This kernel reads q and k once per key block from L2 and writes 4 bytes per program.
 
 The KV head of query head h is h // (Hq // Hkv) (GQA, read through the strides: no repeated K). Key blocks
 before the document start of a query block's first row (`document_starts`) or before its window are skipped.
@@ -133,11 +133,11 @@ def max_logits(
     q = q_BSHD if q_BSHD.stride(-1) == 1 else q_BSHD.contiguous()
     k = k_BSKD if k_BSKD.stride(-1) == 1 else k_BSKD.contiguous()
     has_docs = document_ids is not None
-    docs = document_ids.to(torch.int32).contiguous() if has_docs else q  # unused pointer without documents
     if has_docs and tuple(document_ids.shape) != (B, S):
         raise ValueError(f"max_logits: document_ids must be [B, S] = {[B, S]}, got {list(document_ids.shape)}")
     if has_docs and document_starts is None:
         raise ValueError("max_logits with document_ids needs their document_starts (attention_masks.document_starts)")
+    docs = document_ids.to(torch.int32).contiguous() if has_docs else q  # unused pointer without documents
     starts = document_starts.to(torch.int32).contiguous() if has_docs else q
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     block_d = max(16, min(_MAX_BLOCK_D, triton.next_power_of_2(D)))
