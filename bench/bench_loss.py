@@ -5,7 +5,8 @@
              bf16 logits GEMM + fp32 cast, and the weight gradient as a bf16 GEMM, an fp32 cast copy of the
              full [V, H] product and an fp32 `+=`; one pass (and one fp32 [V, H] buffer) per loss head;
   * new:     `llm_training.trainer.losses` (fp32 logits out of the GEMM, the weight gradient accumulated in fp32
-             inside the GEMM; main + MTP heads in one pass); new_chunk2x: the same with twice the default chunk;
+             inside the GEMM; main + MTP heads in one pass); new_chunkMx: the same with M times the default chunk
+             (`--chunk-multiples`, default 2,4: fewer [V, H] weight-gradient passes for more logits memory);
   * liger:   liger-kernel's `LigerFusedLinearCrossEntropyLoss(reduction="sum")` as main used it (accum_dtype
              None: the [V, H] weight gradient accumulated in bf16 across its chunks), and with
              accum_dtype=float32 (fp32 accumulation via addmm out_dtype), when liger is importable.
@@ -15,7 +16,7 @@ Checks first that every variant's loss matches new's (relative 1e-3) and reports
 hidden-gradient relative Frobenius difference from new's. Times with CUDA events after warm-up (median).
 
 Usage (H200):  python bench/bench_loss.py [--tokens 16384] [--vocab 220160] [--hidden 4096] [--repeats 5]
-               [--out bench_loss.json]
+               [--chunk-multiples 2,4] [--out bench_loss.json]
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def _liger(accum_dtype):
     return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum", accum_dtype=accum_dtype)
 
 
-def variants(chunk: int) -> dict:
+def variants(chunk: int, chunk_multiples: list[int]) -> dict:
     """name -> fn(hiddens, weight, labels, weights) returning the weighted total loss (differentiable)."""
 
     def old(hs, w, ys, ws):
@@ -93,10 +94,12 @@ def variants(chunk: int) -> dict:
     def new(hs, w, ys, ws):
         return linear_cross_entropy_segments(hs, w, ys, ws, chunk_tokens=chunk)[0]
 
-    def new_chunk2x(hs, w, ys, ws):  # fewer [V, H] accumulations for one more GiB of logits
-        return linear_cross_entropy_segments(hs, w, ys, ws, chunk_tokens=2 * chunk)[0]
-
-    out = {"new": new, "new_chunk2x": new_chunk2x, "old": old}  # new first: the others are compared against it
+    out = {"new": new}  # new first: the others are compared against it
+    for m in chunk_multiples:  # fewer [V, H] weight-gradient accumulations for m - 1 more GiB of fp32 logits
+        out[f"new_chunk{m}x"] = lambda hs, w, ys, ws, m=m: linear_cross_entropy_segments(
+            hs, w, ys, ws, chunk_tokens=m * chunk
+        )[0]
+    out["old"] = old
     for name, accum in (("liger_bf16_accum", None), ("liger_fp32_accum", torch.float32)):
         fn = _liger(accum)
         if fn is not None:
@@ -104,7 +107,7 @@ def variants(chunk: int) -> dict:
     return out
 
 
-def run_case(heads: int, T: int, V: int, H: int, repeats: int) -> list[dict]:
+def run_case(heads: int, T: int, V: int, H: int, repeats: int, chunk_multiples: list[int]) -> list[dict]:
     gen = torch.Generator("cuda").manual_seed(0)
     weight = (torch.randn(V, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16).requires_grad_()
     hiddens = [
@@ -116,7 +119,7 @@ def run_case(heads: int, T: int, V: int, H: int, repeats: int) -> list[dict]:
     weights = [1.0 / T] + [0.3 / max(heads - 1, 1) / T] * (heads - 1)  # main + mtp_loss_weight 0.3
     chunk = default_chunk_tokens(V)
     rows, ref = [], None
-    for name, fn in variants(chunk).items():
+    for name, fn in variants(chunk, chunk_multiples).items():
 
         def step():
             weight.grad = None
@@ -156,6 +159,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=220160)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chunk-multiples", default="2,4", help="comma-separated multiples of the default chunk")
     parser.add_argument("--out", default="bench_loss.json")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
@@ -165,7 +169,8 @@ def main() -> None:
     gemm_tflop = 3 * 2 * opts.tokens * opts.vocab * opts.hidden / 1e12
     rows = []
     for heads in (1, 2):
-        rows += run_case(heads, opts.tokens, opts.vocab, opts.hidden, opts.repeats)
+        multiples = [int(m) for m in opts.chunk_multiples.split(",") if m]
+        rows += run_case(heads, opts.tokens, opts.vocab, opts.hidden, opts.repeats, multiples)
     print(
         f"\nLinear CE fwd+bwd, T={opts.tokens} per head, V={opts.vocab}, H={opts.hidden}, bf16 ({gemm_tflop:.1f} TFLOP of GEMMs per head)"
     )

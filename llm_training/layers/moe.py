@@ -66,29 +66,59 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
-class _WeightedCombine(torch.autograd.Function):
-    """out[t] = sum over the rows r of token t of w[r] y[r], accumulated in fp32 and returned in `out_dtype`
-    ([T, H] from expert-output rows y [T*K, H] and fp32 weights w [T*K]; w None: a plain sum). Saves y in its own dtype (bf16 under
-    mixed precision), w and the row -> token index: the plain ops (`y.float() * w`, then `index_add`) kept two fp32
-    [T*K, H] tensors in eager mode, 4x the bytes of bf16 y (~256 KB per token per MoE layer at H 4096, top-8);
-    compiled, inductor's partitioner already kept only the bf16 rows."""
+def _gather_sum(src_RH: torch.Tensor, row_TK: torch.Tensor, weight_TK: Optional[torch.Tensor]) -> torch.Tensor:
+    """out[t] = sum_k weight[t, k] src[row[t, k]] (weight None: a plain sum), accumulated in fp32 (or wider): one
+    gather per k and no atomic scatter (under compile, one fused kernel reading each row once)."""
+    acc = torch.promote_types(src_RH.dtype, torch.float32)
+    out_TH = None
+    for k in range(row_TK.shape[1]):
+        term = src_RH[row_TK[:, k]].to(acc)
+        if weight_TK is not None:
+            term = term * weight_TK[:, k, None].to(acc)
+        out_TH = term if out_TH is None else out_TH + term
+    return out_TH
+
+
+class _DispatchRows(torch.autograd.Function):
+    """x_rows[r] = x[order[r] // K]: each token copied to its K expert-sorted rows. The backward sums each token's
+    K row gradients by gathering them through `row_of_flat` (the inverse of `order`), in fp32: autograd's own
+    backward of the gather is an atomic scatter-add into a zero buffer."""
 
     @staticmethod
-    def forward(ctx, y_RH, w_R, token_of_row_R, num_tokens, out_dtype):
-        ctx.save_for_backward(y_RH, w_R, token_of_row_R)
-        acc = torch.promote_types(y_RH.dtype, torch.float32)  # fp32 (or wider)
-        rows = y_RH.to(acc) if w_R is None else y_RH.to(acc) * w_R[:, None]
-        out = torch.zeros(num_tokens, y_RH.shape[1], dtype=acc, device=y_RH.device)
-        return out.index_add_(0, token_of_row_R, rows).to(out_dtype)
+    def forward(ctx, x_TH, token_of_row_R, row_of_flat_TK):
+        ctx.save_for_backward(row_of_flat_TK)
+        return x_TH[token_of_row_R]
+
+    @staticmethod
+    def backward(ctx, g_RH):
+        (row_of_flat_TK,) = ctx.saved_tensors
+        return _gather_sum(g_RH, row_of_flat_TK, None).to(g_RH.dtype), None, None
+
+
+class _WeightedCombine(torch.autograd.Function):
+    """out[t] = sum_k w[t, k] y[row_of_flat[t, k]], accumulated in fp32 and returned in `out_dtype` ([T, H] from
+    the expert-output rows y [T*K, H] in expert order, the routing weights w fp32 [T, K] (None: a plain sum),
+    `row_of_flat` [T, K] the row of each (token, k) pair and `order` [T*K] its inverse, the (token, k) flat index
+    of each row). Gathers, no atomic scatter, in both directions. Saves y in its own dtype (bf16 under mixed
+    precision), w and the two index tensors: no fp32 [T*K, H] tensor (the plain ops `y.float() * w` then
+    `index_add` kept two in eager mode, ~256 KB per token per MoE layer at H 4096, top-8)."""
+
+    @staticmethod
+    def forward(ctx, y_RH, w_TK, row_of_flat_TK, order_R, out_dtype):
+        ctx.save_for_backward(y_RH, w_TK, row_of_flat_TK, order_R)
+        return _gather_sum(y_RH, row_of_flat_TK, w_TK).to(out_dtype)
 
     @staticmethod
     def backward(ctx, g_TH):
-        y_RH, w_R, token_of_row_R = ctx.saved_tensors
-        g_RH = g_TH.to(torch.promote_types(y_RH.dtype, torch.float32))[token_of_row_R]  # each row's token's grad
-        dy = None
+        y_RH, w_TK, row_of_flat_TK, order_R = ctx.saved_tensors
+        K = row_of_flat_TK.shape[1]
+        g_RH = g_TH.to(torch.promote_types(y_RH.dtype, torch.float32))[order_R // K]  # each row's token's grad
+        dy = dw = None
         if ctx.needs_input_grad[0]:
-            dy = (g_RH if w_R is None else g_RH * w_R[:, None]).to(y_RH.dtype)
-        dw = (g_RH * y_RH.to(g_RH.dtype)).sum(-1).to(w_R.dtype) if ctx.needs_input_grad[1] else None
+            dy = (g_RH if w_TK is None else g_RH * w_TK.reshape(-1)[order_R, None]).to(y_RH.dtype)
+        if ctx.needs_input_grad[1]:
+            dw_R = (g_RH * y_RH.to(g_RH.dtype)).sum(-1)
+            dw = dw_R[row_of_flat_TK].to(w_TK.dtype)  # back to (token, k) order
         return dy, dw, None, None, None
 
 
@@ -242,18 +272,20 @@ class MoE(nn.Module):
     def _routed(self, x_TH, weights_TK, expert_ids_TK, tokens_per_expert=None) -> torch.Tensor:
         """The routed experts' combined output [T, H] (x's dtype) of tokens `x_TH` with their routing;
         `tokens_per_expert` (long [E], counted from `expert_ids_TK`) when the caller has it already."""
+        T, K = expert_ids_TK.shape
         flat_ids = expert_ids_TK.reshape(-1)
         if tokens_per_expert is None:
             tokens_per_expert = self._rows_per_expert(flat_ids)
-        order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert, token order kept inside
-        token_of_row = order // self.top_k
-        x_rows = x_TH[token_of_row]
-        row_weight = weights_TK.reshape(-1)[order]  # fp32 [T*K]
+        order = torch.argsort(flat_ids, stable=True)  # the (token, k) of each row: grouped by expert, token order kept
+        rows = torch.arange(T * K, device=order.device)
+        row_of_flat = torch.empty_like(order).scatter_(0, order, rows).view(T, K)  # inverse permutation
+        x_rows = _DispatchRows.apply(x_TH, order // K, row_of_flat)
         if self.score_before_experts:
+            row_weight = weights_TK.reshape(-1)[order]  # fp32 [T*K]
             x_rows = (x_rows.float() * row_weight[:, None]).to(x_TH.dtype)
         y_rows = self.experts(x_rows, tokens_per_expert)
-        combine_weight = None if self.score_before_experts else row_weight  # weighted before: a plain sum
-        return _WeightedCombine.apply(y_rows, combine_weight, token_of_row, x_TH.shape[0], x_TH.dtype)
+        combine_weight = None if self.score_before_experts else weights_TK  # weighted before: a plain sum
+        return _WeightedCombine.apply(y_rows, combine_weight, row_of_flat, order, x_TH.dtype)
 
     def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         B, S, H = x_BSH.shape

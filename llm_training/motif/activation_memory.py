@@ -11,7 +11,7 @@ forward for the backward, term by term as the layers save them, under the activa
     selective   each block's input and the outputs of its matmuls and attention kernel (what the policy keeps);
                 the rest of one block is recomputed on top during its backward
     long_context  as full, but an MoE block's routed-expert terms (rows, gate|up, activations, PolyNorm rstd,
-                the sort order and token index, the experts' outputs) exist for one chunk of
+                the sort order and its inverse, the experts' outputs) exist for one chunk of
                 LONG_CONTEXT_MOE_CHUNK_TOKENS tokens at a time during its backward, not for all tokens
 
 Outside the blocks: the final norm's input and the final hidden (2H b per token). The loss's buffers are the
@@ -37,7 +37,7 @@ I_s = I_e x num_shared_experts, I = intermediate_size):
   dense MLP (width I)        norm output H b; gate, up 2I b; activation output I b; PolyNorm rstd 3 f
                              (with hidden_clamp, as the shared expert: the pre-clamp gate, up 2I b more)
   MoE                        norm output H b; router: fp32 input H f, scores E f, weights 2K f, expert ids /
-                             sort order / token index 3K i; routed experts: rows K*H b, gate|up K*2I_e b,
+                             sort order / its inverse 3K i; routed experts: rows K*H b, gate|up K*2I_e b,
                              activation K*I_e b (each twice with hidden_clamp: before and after the clamp),
                              PolyNorm rstd 3K f, the experts' outputs K*H b (kept by the weighted combine,
                              which accumulates in fp32 but saves its input rows: layers/moe.py _WeightedCombine);
@@ -143,7 +143,7 @@ def dense_terms(a: Motif3ModelArgs) -> tuple[PerToken, PerToken]:
 
 def routed_expert_terms(a: Motif3ModelArgs) -> PerToken:
     """What an MoE sub-layer's routed experts save per token (layers/moe.py `MoE._routed`): the sort order and
-    token index, the gathered rows, gate|up and activations, PolyNorm rstd, the experts' outputs."""
+    its inverse, the gathered rows, gate|up and activations, PolyNorm rstd, the experts' outputs."""
     H, K, I = a.hidden_size, a.experts_top_k, a.moe_intermediate_size
     copies = 2 if a.hidden_clamp is not None else 1
     return PerToken(b=2 * K * H + copies * (K * 2 * I + K * I), f=3 * K, i=2 * K)

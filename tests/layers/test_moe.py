@@ -198,29 +198,55 @@ def test_sequence_chunked_routed_experts_match_unchunked_with_grads(moe):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)  # fp32 GEMMs of other shapes: rounding only
 
 
+def _routing_permutation(T: int, K: int, gen: torch.Generator):
+    """A random expert order of T*K (token, k) rows: (order [T*K], its inverse row_of_flat [T, K])."""
+    order = torch.randperm(T * K, generator=gen)
+    row_of_flat = torch.empty_like(order).scatter_(0, order, torch.arange(T * K)).view(T, K)
+    return order, row_of_flat
+
+
 def test_weighted_combine_matches_the_plain_ops_and_saves_only_compute_dtype_rows():
-    """`_WeightedCombine` (the routed experts' combine): the same output and gradients as `y.float() * w` then an
-    fp32 index_add (float64 gradcheck), and with a bf16 y it keeps y in bf16: no fp32 [T*K, H] tensor is saved."""
+    """`_WeightedCombine` (the routed experts' combine, by gathers): the same output and gradients as `y.float() * w`
+    then an fp32 index_add (float64 gradcheck), and with a bf16 y it keeps y in bf16: no fp32 [T*K, H] tensor."""
     from llm_training.layers.moe import _WeightedCombine
 
     gen = torch.Generator().manual_seed(3)
     T, K, H = 6, 3, 5
-    token_of_row = torch.arange(T).repeat_interleave(K)[torch.randperm(T * K, generator=gen)]
+    order, row_of_flat = _routing_permutation(T, K, gen)
+    token_of_row = order // K
     y = torch.randn(T * K, H, dtype=torch.float64, generator=gen, requires_grad=True)
-    w = torch.rand(T * K, dtype=torch.float64, generator=gen, requires_grad=True)
-    torch.autograd.gradcheck(lambda y, w: _WeightedCombine.apply(y, w, token_of_row, T, torch.float64), (y, w))
-    want = torch.zeros(T, H, dtype=torch.float64).index_add(0, token_of_row, y * w[:, None])
-    torch.testing.assert_close(_WeightedCombine.apply(y, w, token_of_row, T, torch.float64), want)
+    w = torch.rand(T, K, dtype=torch.float64, generator=gen, requires_grad=True)
+    combine = _WeightedCombine.apply
+    torch.autograd.gradcheck(lambda y, w: combine(y, w, row_of_flat, order, torch.float64), (y, w))
+    want = torch.zeros(T, H, dtype=torch.float64).index_add(0, token_of_row, y * w.reshape(-1)[order, None])
+    torch.testing.assert_close(combine(y, w, row_of_flat, order, torch.float64), want)
     # no weights (score_before_experts: the rows are weighted already): a plain sum
-    torch.autograd.gradcheck(lambda y: _WeightedCombine.apply(y, None, token_of_row, T, torch.float64), (y,))
+    torch.autograd.gradcheck(lambda y: combine(y, None, row_of_flat, order, torch.float64), (y,))
     plain = torch.zeros(T, H, dtype=torch.float64).index_add(0, token_of_row, y)
-    torch.testing.assert_close(_WeightedCombine.apply(y, None, token_of_row, T, torch.float64), plain)
+    torch.testing.assert_close(combine(y, None, row_of_flat, order, torch.float64), plain)
 
     saved = []
     y16 = y.detach().bfloat16().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = _WeightedCombine.apply(y16, w.detach().float().requires_grad_(), token_of_row, T, torch.bfloat16)
+        out = combine(y16, w.detach().float().requires_grad_(), row_of_flat, order, torch.bfloat16)
     assert out.dtype == torch.bfloat16
-    assert {(t.dtype, tuple(t.shape)) for t in saved} == {
-        (torch.bfloat16, (T * K, H)), (torch.float32, (T * K,)), (torch.int64, (T * K,))
-    }  # fmt: skip
+    assert sorted((str(t.dtype), tuple(t.shape)) for t in saved) == sorted(
+        [("torch.bfloat16", (T * K, H)), ("torch.float32", (T, K)), ("torch.int64", (T, K)), ("torch.int64", (T * K,))]
+    )
+
+
+def test_dispatch_rows_copies_each_token_to_its_rows_and_sums_their_gradients():
+    """`_DispatchRows`: row r is token order[r] // K; the backward (gathers through the inverse order, no scatter)
+    gives each token the sum of its K rows' gradients (float64 gradcheck against the plain indexing)."""
+    from llm_training.layers.moe import _DispatchRows
+
+    gen = torch.Generator().manual_seed(4)
+    T, K, H = 5, 4, 3
+    order, row_of_flat = _routing_permutation(T, K, gen)
+    x = torch.randn(T, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    rows = _DispatchRows.apply(x, order // K, row_of_flat)
+    torch.testing.assert_close(rows, x[order // K])
+    torch.autograd.gradcheck(lambda x: _DispatchRows.apply(x, order // K, row_of_flat), (x,))
+    g = torch.randn(T * K, H, dtype=torch.float64, generator=gen)
+    (dx,) = torch.autograd.grad(rows, x, g)
+    torch.testing.assert_close(dx, torch.zeros(T, H, dtype=torch.float64).index_add(0, order // K, g))
