@@ -185,13 +185,40 @@ def throughput(tokens_per_step: int, step_s: float, flops_per_token: dict[str, f
 
 
 def peak_memory_gib(device: torch.device) -> dict:
-    """Peak allocated and reserved memory of the CUDA caching allocator since the last reset (None on CPU)."""
+    """Peak allocated and reserved memory of the CUDA caching allocator since the last reset, and the reserved
+    memory now split by the stream that owns it (`segments_by_stream`; None on CPU)."""
     if device.type != "cuda":
-        return {"peak_alloc_gib": None, "peak_reserved_gib": None}
+        return {"peak_alloc_gib": None, "peak_reserved_gib": None, "reserved_by_stream": None}
     return {
         "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "reserved_by_stream": segments_by_stream(torch.cuda.memory_snapshot()),
     }
+
+
+def segments_by_stream(snapshot: list[dict]) -> list[dict]:
+    """The caching allocator's segments (`torch.cuda.memory_snapshot()`) summed per owning stream, largest first:
+    [{"stream": "default" | "side N", "segments", "reserved_gib", "allocated_gib"}]. A freed block is reused only
+    by its own stream, so memory that one stream (e.g. FSDP2's all-gather or reduce-scatter stream) keeps cached
+    counts as reserved while another stream's peak allocates more: this is what the gap between the peak
+    reserved and peak allocated memory is made of, when it is not fragmentation inside one stream's segments."""
+    per_stream: dict[int, dict] = {}
+    for seg in snapshot:
+        row = per_stream.setdefault(seg["stream"], {"segments": 0, "reserved": 0, "allocated": 0})
+        row["segments"] += 1
+        row["reserved"] += seg["total_size"]
+        row["allocated"] += seg["allocated_size"]
+    ordered = sorted(per_stream.items(), key=lambda kv: -kv[1]["reserved"])
+    side = iter(range(1, len(ordered) + 1))
+    return [
+        {
+            "stream": "default" if handle == 0 else f"side {next(side)}",
+            "segments": row["segments"],
+            "reserved_gib": row["reserved"] / 2**30,
+            "allocated_gib": row["allocated"] / 2**30,
+        }
+        for handle, row in ordered
+    ]
 
 
 def run_case(

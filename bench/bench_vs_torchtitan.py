@@ -549,6 +549,11 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
         if warm:
             what = f"FAIL {warm['error']}" if warm.get("error") else f"first step {warm['first_step_s']:.1f} s"
             lines.append(f"{r['case']:<36}restarted over its compile cache: {what} (cold {r['first_step_s']:.1f} s)")
+    for r in rows:
+        streams = r.get("reserved_by_stream")
+        if streams:
+            parts = ", ".join(f"{q['stream']} {q['reserved_gib']:.1f} ({q['allocated_gib']:.1f})" for q in streams)
+            lines.append(f"{r['case']:<36}reserved GiB by stream (allocated at the end): {parts}")
     if ratio_rows:
         lines.append("ours / torchtitan, and low precision / bf16 (same group = same tokens per step):")
         lines.append(f"{'case':<36}{'vs':<30}{'tok/s':>8}{'TF/s ours-conv':>16}{'TF/s tt-conv':>14}")

@@ -26,6 +26,20 @@ def test_weak_scaling_divides_tokens_per_gpu_by_the_matching_baseline_row(tmp_pa
     assert rows[1]["scaling_efficiency"] is None and rows[2]["scaling_efficiency"] is None
 
 
+def test_segments_by_stream_sums_each_streams_segments_largest_first():
+    gib = 2**30
+    snapshot = [
+        {"stream": 0, "total_size": 4 * gib, "allocated_size": 3 * gib},
+        {"stream": 93824, "total_size": 7 * gib, "allocated_size": 0},
+        {"stream": 0, "total_size": 2 * gib, "allocated_size": 1 * gib},
+        {"stream": 71168, "total_size": 1 * gib, "allocated_size": gib // 2},
+    ]
+    rows = bench_train.segments_by_stream(snapshot)
+    assert [(r["stream"], r["segments"], r["reserved_gib"], r["allocated_gib"]) for r in rows] == [
+        ("side 1", 1, 7.0, 0.0), ("default", 2, 6.0, 4.0), ("side 2", 1, 1.0, 0.5)
+    ]  # fmt: skip
+
+
 def _rank(rank, port, tmp):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))  # fmt: skip
