@@ -15,7 +15,8 @@ Why: the fused attention kernels that return no logits (flash-attn-4, cuDNN SDPA
 tensor ops (`chunked_max_logits`): bf16 tiles of [B, Hq, 1024, 1024] logits written, masked and reduced, 25.3 ms
 per full-attention layer and 12.3 ms per window layer per micro-batch at the motif3_proxy shape (B 4, S 4096, 80
 heads) on the H200 (bench/bench_max_logits.py); with flash-attn-4 that side pass cost as much as the attention
-kernels saved over FlexAttention (bench/results, session 9). This kernel reads q and k once per key block from L2 and writes 4 bytes per program.
+kernels saved over FlexAttention (bench/results, session 9). This kernel reads q and k once per key block (from L2)
+and writes 4 bytes per program.
 
 The KV head of query head h is h // (Hq // Hkv) (GQA, read through the strides: no repeated K). Key blocks
 before the document start of a query block's first row (`document_starts`) or before its window are skipped.

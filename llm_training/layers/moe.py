@@ -81,8 +81,8 @@ def _gather_sum(src_RH: torch.Tensor, row_TK: torch.Tensor, weight_TK: Optional[
 
 class _DispatchRows(torch.autograd.Function):
     """x_rows[r] = x[order[r] // K]: each token copied to its K expert-sorted rows. The backward sums each token's
-    K row gradients by gathering them through `row_of_flat` (the inverse of `order`), in fp32: autograd's own
-    backward of the gather is an atomic scatter-add into a zero buffer."""
+    K row gradients by gathering them through `row_of_flat` (the inverse of `order`), in fp32, where autograd's own
+    backward of the gather would be an atomic scatter-add into a zero buffer."""
 
     @staticmethod
     def forward(ctx, x_TH, token_of_row_R, row_of_flat_TK):

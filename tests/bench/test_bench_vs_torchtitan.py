@@ -173,8 +173,10 @@ def test_warm_restart_reruns_a_compiled_case_over_the_caches_of_its_first_run(tm
     assert warm_cache == cold_cache  # the same inductor, triton and flash-attn-4 caches
     assert row["first_step_s"] == 95.0 and row["warm_restart"]["first_step_s"] == 12.5
     assert "restarted over its compile cache: first step 12.5 s (cold 95.0 s)" in bvt.format_table([row], [])
-    row["reserved_by_stream"] = [{"stream": "default", "segments": 3, "reserved_gib": 100.0, "allocated_gib": 20.0},
-                                 {"stream": "side 1", "segments": 1, "reserved_gib": 24.5, "allocated_gib": 0.0}]  # fmt: skip
+    row["reserved_by_stream"] = [
+        {"stream": "default", "segments": 3, "reserved_gib": 100.0, "allocated_gib": 20.0},
+        {"stream": "side 1", "segments": 1, "reserved_gib": 24.5, "allocated_gib": 0.0},
+    ]
     assert "reserved GiB by stream (allocated at the end): default 100.0 (20.0), side 1 24.5 (0.0)" in bvt.format_table(
         [row], []
     )
