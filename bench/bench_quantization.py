@@ -45,7 +45,7 @@ from llm_training.distributed.utils import setup_distributed
 from llm_training.layers.moe import GroupedExperts
 from llm_training.motif import get_flavor
 from llm_training.quantization.emulation import relative_error
-from llm_training.quantization.kernels import RecipeKernels, fits_cuda_kernel
+from llm_training.quantization.kernels import RecipeKernels
 from llm_training.quantization.modules import to_low_precision
 from llm_training.quantization.recipes import LOW_PRECISION, cuda_capability, recipe_problem
 
@@ -157,9 +157,6 @@ def bench_layers(tiny: bool, repeats: int, patterns: list[str], recipes: list[st
         base_ms, base_out = fwd_bwd_ms(module, inputs, grad, repeats)
         row = {"layer": name, "dims": list(dims), "bf16_ms": base_ms}
         for recipe in recipes:
-            if not fits_cuda_kernel(recipe, *dims):
-                row[recipe] = "dims not aligned: stays bf16"
-                continue
             try:
                 torch.manual_seed(0)
                 q, _, _ = build()

@@ -145,8 +145,11 @@ def grouped_mm_supported(x_NK: torch.Tensor, *weights_EOK: torch.Tensor) -> bool
 
 def pad_token_groups(x_NH: torch.Tensor, counts_E: torch.Tensor, multiple: int):
     """Copy expert-sorted rows into a zero buffer where every expert's group starts at a multiple of
-    `multiple` rows. Returns (padded rows [N + E*(multiple-1), H], padded counts [E], index of each
-    original row in the padded buffer [N]). No host sync: every size is static."""
+    `multiple` rows. Returns (padded rows [R, H], padded counts [E], index of each original row in the padded
+    buffer [N]), R = N + E*(multiple-1) rounded up to a multiple of `multiple`: the worst case of the padded
+    groups, so no host sync is needed (every size is static). R itself is a multiple too because the FP8 grouped
+    GEMMs' weight gradient contracts over all R rows of the transposed operand, whose row stride (R bytes in
+    FP8) must be a multiple of 16: R = 632 crashed torch._scaled_grouped_mm (8 experts, 512 rows, multiple 16)."""
     N, E = x_NH.shape[0], counts_E.shape[0]
     counts = counts_E.long()
     padded = (counts + multiple - 1) // multiple * multiple
@@ -154,7 +157,7 @@ def pad_token_groups(x_NH: torch.Tensor, counts_E: torch.Tensor, multiple: int):
     start_padded = torch.cumsum(padded, 0) - padded
     expert_of_row = torch.repeat_interleave(torch.arange(E, device=x_NH.device), counts, output_size=N)
     rows = torch.arange(N, device=x_NH.device) - start[expert_of_row] + start_padded[expert_of_row]
-    buf = x_NH.new_zeros(N + E * (multiple - 1), x_NH.shape[1])
+    buf = x_NH.new_zeros(-(-(N + E * (multiple - 1)) // multiple) * multiple, x_NH.shape[1])
     return buf.index_copy(0, rows, x_NH), padded, rows
 
 

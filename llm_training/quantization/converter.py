@@ -10,8 +10,10 @@ Never converted, whatever the config: the embedding, the output head and the rou
 and the mHC projections (not nn.Linear: `layers.projection`), the norms, the attention output gate wq_b_gate
 and the MTP input projection (model-spec §9 keeps them in bf16 / fp32).
 
-On CUDA a module converts only when its dims meet the kernel's alignment (`kernels.fits_cuda_kernel`); the others
-stay in high precision and are listed in `skipped`. On CPU (emulation) every selected module converts.
+Every selected module converts. On CUDA a linear whose dims miss the kernel's alignment runs on zero-padded
+operands (`RecipeKernels.linear`); routed experts whose hidden or intermediate size misses it are a config error
+naming the layer and the fix (padding them would copy every expert's weights on every call). On CPU (emulation)
+any shape runs.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from llm_training.errors import ConfigError
 from llm_training.layers.attention import GDLAttention
 from llm_training.layers.ffn import FeedForward
 from llm_training.layers.moe import GroupedExperts, MoE
-from llm_training.quantization.kernels import RecipeKernels, fits_cuda_kernel
+from llm_training.quantization.kernels import DIM_MULTIPLE, RecipeKernels, fits_cuda_kernel
 from llm_training.quantization.modules import to_low_precision
 
 logger = logging.getLogger(__name__)
@@ -71,16 +74,21 @@ class LowPrecisionConverter:
     hp_weight_grad: bool
     cuda: bool
     converted: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
 
     def convert(self, model: nn.Module) -> None:
         chosen = []
         for name, module, kind in convertible_modules(model):
             if kind not in self.kinds:
                 continue
-            if self.cuda and not fits_cuda_kernel(self.recipe, *gemm_dims(module)):
-                self.skipped.append(name)
-                continue
+            if self.cuda and kind == "routed_experts" and not fits_cuda_kernel(self.recipe, *gemm_dims(module)):
+                raise ConfigError(
+                    f"[quantize] recipe = '{self.recipe}': the routed experts of {name} have GEMM dims "
+                    f"{gemm_dims(module)} (2 x moe_intermediate_size, hidden_size; hidden_size, moe_intermediate_size), not "
+                    f"all multiples of "
+                    f"{DIM_MULTIPLE[self.recipe]}, which its grouped GEMM needs; use a recipe with a smaller "
+                    f"alignment ({', '.join(f'{r}: {m}' for r, m in DIM_MULTIPLE.items())}) or leave them in bf16: "
+                    f"[quantize] convert = {[k for k in self.kinds if k != 'routed_experts']}"
+                )
             chosen.append(module)
             self.converted.append(name)
         # CUDA ops are bound (torchao imported) only when something converts
@@ -96,14 +104,17 @@ class LowPrecisionConverter:
                     "emulated blockwise grouped GEMM (blockwise numerics, no FP8 speed-up); install DeepGEMM or use "
                     "recipe = 'fp8_rowwise'"
                 )
+        padded = [
+            n for n, m in zip(self.converted, chosen) if self.cuda and not fits_cuda_kernel(self.recipe, *gemm_dims(m))
+        ]
         logger.info(
             "[quantize] %s: %d modules converted (%s)%s",
             kernels,
             len(self.converted),
             ", ".join(self.kinds),
-            f"; {len(self.skipped)} kept in high precision, dims not a multiple of the kernel's alignment: "
-            f"{', '.join(self.skipped[:8])}{' ...' if len(self.skipped) > 8 else ''}"
-            if self.skipped
+            f"; {len(padded)} run on operands zero-padded to multiples of {DIM_MULTIPLE[self.recipe]}: "
+            f"{', '.join(padded[:8])}{' ...' if len(padded) > 8 else ''}"
+            if padded
             else "",
         )
 

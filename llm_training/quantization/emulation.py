@@ -15,7 +15,7 @@ most 2^-4):
               e = clamp(ceil(log2(amax / 448)), -127, 127) ("rceil", the Blackwell hardware rule torchao uses);
               q = sat_e4m3(x / 2^e) 2^e.
 Dims that are not a multiple of the tile / block are zero-padded for the scale computation (the GPU kernels
-need whole tiles; the converter only converts such shapes for the emulation).
+need whole tiles: `RecipeKernels.linear` pads a linear's operands before either path, with the same result).
 
 Each GEMM quantizes its two operands along ITS reduction dim (fprop Y = X W^T over K, dgrad dX = dY W over
 the output features, wgrad dW = dY^T X over the tokens), requantizing from high precision each time (never

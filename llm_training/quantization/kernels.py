@@ -30,13 +30,25 @@ from llm_training.layers.moe import _ContiguousGrad
 from llm_training.quantization.emulation import emulated_grouped_mm, emulated_linear
 
 GROUP_MULTIPLE = {"fp8_rowwise": 16, "mxfp8": 32, "fp8_blockwise": 128}  # token-group alignment of the kernel
-DIM_MULTIPLE = {"fp8_rowwise": 16, "mxfp8": 32, "fp8_blockwise": 128}  # in/out features the CUDA kernels need
+# Every GEMM dim the CUDA kernels contract over must be a multiple of this (forward: in features; dgrad: out
+# features; wgrad: tokens): one scale per row (16: the FP8 GEMM's 16-byte rule), per 32 or per 128 elements.
+DIM_MULTIPLE = {"fp8_rowwise": 16, "mxfp8": 32, "fp8_blockwise": 128}
 TORCHAO_INSTALL = "pip install torchao==0.18.0 (pinned by the repo's gpu and dev extras)"
 
 
 def fits_cuda_kernel(recipe: str, *dims: int) -> bool:
     """Whether every GEMM dim (in and out features) meets the CUDA kernel's alignment."""
     return all(d % DIM_MULTIPLE[recipe] == 0 for d in dims)
+
+
+def _pad_dim(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    """t with zeros appended along `dim` up to a multiple of `multiple` (t itself when it is one already)."""
+    extra = -t.shape[dim] % multiple
+    if not extra:
+        return t
+    pad = [0, 0] * (t.dim() - dim % t.dim())
+    pad[-1] = extra
+    return torch.nn.functional.pad(t, pad)
 
 
 def _column_major(b_EKN: torch.Tensor) -> torch.Tensor:
@@ -48,6 +60,22 @@ def zero_past_last_group(y_NO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tens
     """Rows past offs[-1] (the padding buffer's slack) are not written by the scaled grouped GEMMs: make them 0."""
     rows = torch.arange(y_NO.shape[0], device=y_NO.device)
     return torch.where((rows < offs_E[-1])[:, None], y_NO, torch.zeros((), dtype=y_NO.dtype, device=y_NO.device))
+
+
+class _NoGradPastLastGroup(torch.autograd.Function):
+    """Identity on x [N, K] whose backward zeroes the gradient rows past offs[-1] (the padding buffer's slack):
+    the scaled grouped GEMMs never write those rows of dX (torchao's backward returns them uninitialised, whatever
+    the allocator held), so without this they would reach whoever reads x's gradient as garbage."""
+
+    @staticmethod
+    def forward(ctx, x_NK, offs_E):
+        ctx.save_for_backward(offs_E)
+        return x_NK.view_as(x_NK)
+
+    @staticmethod
+    def backward(ctx, g_NK):
+        (offs_E,) = ctx.saved_tensors
+        return zero_past_last_group(g_NK, offs_E), None
 
 
 def _float8_rowwise_configs():
@@ -145,6 +173,7 @@ class _HighPrecisionWeightGrad(torch.autograd.Function):
 
 class RecipeKernels:
     """The linear and grouped GEMMs of one recipe, and the token-group alignment its grouped GEMM needs.
+    `grouped_mm`'s rows past offs[-1] (the padding buffer's slack) give 0 and receive a zero gradient.
 
     `cuda`: bind torchao's CUDA ops now (imports torchao). That happens here, at conversion, and not on the first
     forward: a compiled block would otherwise trace the imports and the config construction on every compile.
@@ -158,8 +187,9 @@ class RecipeKernels:
             native_hp = recipe == "mxfp8" and hp_weight_grad
             linear, grouped = _torchao_linear(recipe, native_hp), _torchao_grouped_mm(recipe, native_hp)
 
-            def grouped_EOK(x_NK, w_EOK, offs_E):  # w as the module stores it; rows past the last group zeroed
-                y_NO = grouped(x_NK.contiguous(), _column_major(w_EOK.transpose(-2, -1)), offs_E)
+            def grouped_EOK(x_NK, w_EOK, offs_E):  # w as the module stores it; rows past the last group: y = 0, dx = 0
+                x_NK = _NoGradPastLastGroup.apply(x_NK.contiguous(), offs_E)
+                y_NO = grouped(x_NK, _column_major(w_EOK.transpose(-2, -1)), offs_E)
                 return zero_past_last_group(y_NO, offs_E)
 
             if hp_weight_grad and not native_hp:
@@ -176,11 +206,22 @@ class RecipeKernels:
 
     # On CUDA the output's gradient is made contiguous first: torchao's quantization kernels require it (the
     # stride-0 gradient of e.g. `.sum()` is not).
+    # A linear whose tokens, in or out features miss the kernel's alignment (`DIM_MULTIPLE`: e.g. GDLA's wkv_a,
+    # 576 outputs, under fp8_blockwise's 128) runs on zero-padded operands, sliced back: zero rows and columns add
+    # nothing to any product and get no gradient through the slice, and a block's scale is its largest |value|, so
+    # the real elements quantize as without padding (the emulation pads the same way for its scales, so on CPU
+    # the padded GEMM equals the unpadded one). The copies cost one pass over each padded operand.
     def linear(self, x_NK: torch.Tensor, w_OK: torch.Tensor) -> torch.Tensor:
+        m = DIM_MULTIPLE[self.recipe]
+        (N, _), O = x_NK.shape, w_OK.shape[0]
+        x_NK = _pad_dim(_pad_dim(x_NK, 0, m), 1, m)
+        w_OK = _pad_dim(_pad_dim(w_OK, 0, m), 1, m)
         if x_NK.is_cuda:
             self._require_cuda()
-            return _ContiguousGrad.apply(self._cuda_linear(x_NK, w_OK))
-        return emulated_linear(x_NK, w_OK, self.recipe, self.hp_weight_grad)
+            y = _ContiguousGrad.apply(self._cuda_linear(x_NK, w_OK))
+        else:
+            y = emulated_linear(x_NK, w_OK, self.recipe, self.hp_weight_grad)
+        return y if y.shape == (N, O) else y[:N, :O]
 
     def grouped_mm(self, x_NK: torch.Tensor, w_EOK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         if x_NK.is_cuda:

@@ -250,3 +250,26 @@ def test_dispatch_rows_copies_each_token_to_its_rows_and_sums_their_gradients():
     g = torch.randn(T * K, H, dtype=torch.float64, generator=gen)
     (dx,) = torch.autograd.grad(rows, x, g)
     torch.testing.assert_close(dx, torch.zeros(T, H, dtype=torch.float64).index_add(0, order // K, g))
+
+
+@pytest.mark.parametrize("N,E,multiple", [(512, 8, 16), (37, 5, 32), (3, 3, 128), (100, 4, 1)])
+def test_pad_token_groups_aligns_every_group_and_the_buffer(N, E, multiple):
+    """Every expert's group starts on a multiple of `multiple` rows, each row lands once and in order, the padding
+    is zero, and the buffer's own row count is a multiple too (the FP8 weight-gradient GEMM contracts over all of
+    them: 512 rows of 8 experts at 16 gave 632 rows, a 632-byte FP8 row stride that torch._scaled_grouped_mm
+    rejects)."""
+    from llm_training.layers.moe import pad_token_groups
+
+    torch.manual_seed(0)
+    counts = torch.distributions.Multinomial(N, torch.ones(E)).sample().long()
+    x = torch.randn(N, 4)
+    buf, padded, rows = pad_token_groups(x, counts, multiple)
+    assert buf.shape[0] % multiple == 0 and buf.shape[0] >= N + E * (multiple - 1)
+    assert (padded % multiple == 0).all() and (padded >= counts).all() and (padded - counts < multiple).all()
+    torch.testing.assert_close(buf[rows], x)
+    rest = torch.ones(buf.shape[0], dtype=torch.bool)
+    rest[rows] = False
+    assert (buf[rest] == 0).all()
+    starts = torch.cumsum(padded, 0) - padded
+    first_rows = rows[torch.cumsum(counts, 0) - counts][counts > 0]
+    torch.testing.assert_close(first_rows, starts[counts > 0])

@@ -15,7 +15,9 @@ from llm_training.motif import get_flavor
 from llm_training.motif.model import Motif3Model
 from llm_training.quantization import apply_converters, build_converter
 from llm_training.quantization.converter import LowPrecisionConverter, convertible_modules
-from llm_training.quantization.emulation import relative_error
+from llm_training.errors import ConfigError
+from llm_training.quantization.emulation import emulated_linear, relative_error
+from llm_training.quantization.kernels import RecipeKernels, _NoGradPastLastGroup
 from llm_training.quantization.modules import LowPrecisionGroupedExperts, LowPrecisionLinear
 
 RECIPES = ("fp8_rowwise", "mxfp8", "fp8_blockwise")
@@ -44,7 +46,7 @@ def test_the_listed_kinds_convert_and_the_forbidden_modules_never_do():
     names_before = [n for n, _ in model.named_parameters()]
     (conv,) = apply_converters(model, parse("--quantize.recipe=mxfp8"))
     got = converted_names(model)
-    assert got == set(conv.converted) and not conv.skipped
+    assert got == set(conv.converted)
     kinds = {kind for _, _, kind in convertible_modules(model)}
     assert kinds == set(KINDS)
     for name in got:
@@ -76,15 +78,44 @@ def test_convert_selects_kinds_and_none_converts_nothing():
     assert build_converter(parse("--quantize.recipe=auto")) is None  # CPU: auto is none
 
 
-def test_on_cuda_modules_whose_dims_miss_the_kernel_alignment_stay_high_precision():
+def test_on_cuda_misaligned_routed_experts_are_a_config_error_naming_the_layer_and_linears_all_convert():
     model = debug_model(device="meta")  # motif3_debug: hidden 64, kv_lora_rank 16, experts 64 x 32
-    conv = LowPrecisionConverter("fp8_blockwise", KINDS, False, cuda=True)
-    conv.convert(model)
-    assert not conv.converted and len(conv.skipped) == len(convertible_modules(model))  # nothing is 128-aligned
+    with pytest.raises(ConfigError, match=r"layers\.2\.moe\.experts.*multiples of 128.*fp8_rowwise: 16.*convert ="):
+        LowPrecisionConverter("fp8_blockwise", KINDS, False, cuda=True).convert(model)
+    pytest.importorskip("triton")  # binding the CUDA ops imports torchao and its triton kernels (no GPU needed)
     model = debug_model(device="meta")
-    conv = LowPrecisionConverter("mxfp8", KINDS, False, cuda=True)
-    conv.convert(model)
-    assert all(n.endswith(("wkv_b", "wkv_a", "wq_b")) for n in conv.skipped) and conv.converted  # in 16 or out 24/40
+    linears = ("attention", "dense_mlp", "shared_expert")
+    conv = LowPrecisionConverter("fp8_blockwise", linears, False, cuda=True)
+    conv.convert(model)  # nothing 128-aligned: every linear converts and runs on padded operands
+    assert set(conv.converted) == {n for n, _, kind in convertible_modules(model) if kind in linears}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("hp_weight_grad", [False, True])
+def test_a_linear_off_the_kernel_alignment_runs_padded_with_the_unpadded_numerics(recipe, hp_weight_grad):
+    """Tokens, in and out features off the alignment (37 x 200 -> 72): `RecipeKernels.linear` zero-pads the
+    operands, which changes no scale and adds only zero terms, so output and both gradients equal the emulation
+    of the unpadded GEMM (fp32 summation order apart) and have the unpadded shapes."""
+    torch.manual_seed(0)
+    x = torch.randn(37, 200, requires_grad=True)
+    w = (torch.randn(72, 200) * 0.05).requires_grad_()
+    g = torch.randn(37, 72)
+    y = RecipeKernels(recipe, hp_weight_grad, cuda=False).linear(x, w)
+    y.backward(g)
+    got = (y, x.grad, w.grad)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y2 = emulated_linear(x2, w2, recipe, hp_weight_grad)
+    y2.backward(g)
+    for a, b in zip(got, (y2, x2.grad, w2.grad)):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_past_the_last_group_rows_get_no_gradient():
+    x = torch.randn(10, 4, requires_grad=True)
+    offs = torch.tensor([3, 3, 7], dtype=torch.int32)
+    _NoGradPastLastGroup.apply(x, offs).backward(torch.ones(10, 4))
+    assert (x.grad[:7] == 1).all() and (x.grad[7:] == 0).all()
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
