@@ -6,18 +6,21 @@
           eager, the scale / cast / transpose kernels around each FP8 GEMM are separate launches and made the
           FP8 projections 0.12-0.4x bf16 on the H200
   step    a motif3_proxy training step (the real Trainer, 1-rank FSDP2 bf16) under recipe none vs fp8_rowwise
-  curve   motif3_small trained on the demo data under none vs fp8_rowwise from the same init and batches; prints
-          both loss curves (every 25 steps) and the gap
+  curve   motif3_small trained on the demo data from the same init and batches under bf16 ('none'), a second bf16
+          run with another seed ('none@8': the run-to-run noise) and each FP8 recipe; prints the curves, each FP8
+          curve's gap to bf16 and whether it stays within the bf16 run-to-run gap
 
     python bench/bench_quantization.py layers step curve          # all three (H200: layers alone > 5 min, below)
     python bench/bench_quantization.py layers --tiny               # a smoke run at tiny sizes
     python bench/bench_quantization.py layers --layers mlp,experts --recipes fp8_rowwise   # some layers, one recipe
+    python bench/bench_quantization.py curve --curve-steps 200 --curve-parallel   # the four curves at once
 Writes bench/results/bench_quantization.json (or --out) after every part, so a run cut short keeps its parts.
 Time on the H200 (torch 2.11): `layers` compiles every layer once per recipe, ~65 s per layer with fp8_rowwise and
-fp8_blockwise (5 attention layers took 330 s), so run it alone in a 10-minute command. `curve` at 300 steps: the
-bf16 run took 265 s (eager), so the fp8 run goes in a call of its own, against the saved bf16 curve:
+fp8_blockwise (5 attention layers took 330 s), so run it alone in a 10-minute command. `curve`: one eager
+motif3_small run of 300 steps took 265 s alone, so the curves run as concurrent processes (`--curve-parallel`), or
+one at a time against a saved bf16 curve:
 
-    python bench/bench_quantization.py curve --curve-steps 300 --curve-recipes fp8_rowwise \
+    python bench/bench_quantization.py curve --curve-steps 300 --curve-recipes none,fp8_rowwise \
         --curve-baseline bench/results/bench_quantization_curve_session6_bf16_only.json
 """
 
@@ -209,8 +212,17 @@ def bench_step(recipe: str, tiny: bool, steps: int, warmup: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- loss curves
-def loss_curve(recipe: str, tiny: bool, steps: int) -> dict:
+def parse_curve_spec(spec: str) -> tuple[str, int]:
+    """'recipe' or 'recipe@seed' -> (recipe, seed); the default seed is 7, a second bf16 run 'none@8' gives the
+    bf16 run-to-run noise the FP8 curves are judged against."""
+    recipe, _, seed = spec.partition("@")
+    return recipe, int(seed) if seed else 7
+
+
+def loss_curve(spec: str, tiny: bool, steps: int) -> dict:
     from llm_training.trainer import train
+
+    recipe, seed = parse_curve_spec(spec)
 
     flavor, seq, batch = ("motif3_debug", 256, 4) if tiny else ("motif3_small", 1024, 4)
     cfg = ConfigManager().parse_args([
@@ -218,7 +230,7 @@ def loss_curve(recipe: str, tiny: bool, steps: int) -> dict:
         f"--model.flavor={flavor}", "--training.device=cuda", "--training.mixed_precision_param=bfloat16",
         f"--training.seq_len={seq}", f"--training.local_batch_size={batch}", f"--training.steps={steps}",
         "--checkpoint.enable=false", "--metrics.save_jsonl=false", "--metrics.log_freq=1000",
-        f"--lr_scheduler.warmup_steps={max(1, steps // 10)}", f"--quantize.recipe={recipe}", "--training.seed=7",
+        f"--lr_scheduler.warmup_steps={max(1, steps // 10)}", f"--quantize.recipe={recipe}", f"--training.seed={seed}",
         f"--model.mhc_backward={CURVE_MHC_BACKWARD}",
     ])  # fmt: skip
     dims = ParallelDims(1, -1, 1, 1, 1)
@@ -227,7 +239,8 @@ def loss_curve(recipe: str, tiny: bool, steps: int) -> dict:
     result = train(cfg, dims, device)
     torch.cuda.empty_cache()
     return {
-        "flavor": flavor, "recipe": recipe, "seq_len": seq, "batch": batch, "seconds": time.perf_counter() - t0,
+        "flavor": flavor, "recipe": recipe, "seed": seed, "seq_len": seq, "batch": batch,
+        "seconds": time.perf_counter() - t0,
         "mhc_backward": CURVE_MHC_BACKWARD,
         "losses": [result.losses[s] for s in sorted(result.losses)],
     }  # fmt: skip
@@ -265,6 +278,50 @@ def curve_summary(base: list[float], quant: list[float]) -> dict:
     }
 
 
+def curves_verdict(curves: dict) -> dict:
+    """Each FP8 curve against the bf16 one ('none'): the loss-gap summary, the bf16 run-to-run gap ('none@8' vs
+    'none') over the same steps, and `within_noise`: the FP8 curve's mean |gap| over the last quarter is at most
+    the two bf16 runs' mean |gap| there."""
+    out = {}
+    base = curves["none"]["losses"]
+    noise = curve_summary(base, curves["none@8"]["losses"]) if "none@8" in curves else None
+    for spec, c in curves.items():
+        if parse_curve_spec(spec)[0] == "none":
+            continue
+        summary = curve_summary(base, c["losses"])
+        summary["max_abs_gap"] = max(abs(q - b) for b, q in zip(base, c["losses"]))
+        summary["finite"] = all(math.isfinite(v) for v in c["losses"])
+        if noise is not None:
+            summary["bf16_run_to_run_mean_abs_gap_last_quarter"] = noise["mean_abs_gap_last_quarter"]
+            summary["within_noise"] = summary["finite"] and (
+                summary["mean_abs_gap_last_quarter"] <= noise["mean_abs_gap_last_quarter"]
+            )
+        out[spec] = summary
+    return out
+
+
+def run_curves_in_parallel(specs: list[str], tiny: bool, steps: int, out: str) -> dict:
+    """Each curve in its own process on the same GPU, all at once (a motif3_small eager step leaves the H200
+    mostly idle, so four runs take little longer than one); each writes its own JSON beside `out`."""
+    import signal
+    import subprocess
+
+    procs = {}
+    for spec in specs:
+        path = f"{out}.{spec.replace('@', '_')}.json"
+        cmd = [sys.executable, __file__, "curve", "--curve-recipes", spec, "--curve-steps", str(steps), "--out", path]
+        procs[spec] = (subprocess.Popen([*cmd, *(["--tiny"] if tiny else [])]), path)
+    # a time limit's SIGTERM reaches every run, each of which then stops cleanly and saves the steps it ran
+    signal.signal(signal.SIGTERM, lambda *_: [proc.terminate() for proc, _ in procs.values()])
+    curves = {}
+    for spec, (proc, path) in procs.items():
+        if proc.wait() == 0:
+            curves.update(json.loads(Path(path).read_text()).get("curves", {}))
+        else:
+            print(f"FAIL curve {spec}: exit {proc.returncode}")
+    return curves
+
+
 # ---------------------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -273,7 +330,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--steps", type=int, default=6, help="timed train steps per recipe (step part)")
     p.add_argument("--curve-steps", type=int, default=200)
-    p.add_argument("--curve-recipes", default="none,fp8_rowwise", help="comma-separated recipes of the curve part")
+    p.add_argument(
+        "--curve-recipes",
+        default="none,none@8,fp8_rowwise,fp8_blockwise",
+        help="comma-separated curves: recipe or recipe@seed (default seed 7; none@8 is the bf16 run-to-run noise)",
+    )
+    p.add_argument("--curve-parallel", action="store_true", help="run the curves as concurrent processes")
     p.add_argument("--curve-baseline", help="a JSON this script wrote: its curves (e.g. the bf16 one, 'none') are "
                    "reused instead of run again when they ran the same steps and mHC backward (same seed and batches)")  # fmt: skip
     p.add_argument("--layers", default="", help="layers part: comma-separated substrings of the layer names to run "
@@ -345,40 +407,45 @@ def main(argv=None) -> int:
         save()
 
     if "curve" in a.parts:
+        specs = [r.strip() for r in a.curve_recipes.split(",") if r.strip()]
         curves = {}
         if a.curve_baseline:
             curves = baseline_curves(a.curve_baseline, a.curve_steps)
             print(f"curves reused from {a.curve_baseline}: {sorted(curves) or 'none of that length'}")
-        for recipe in [r.strip() for r in a.curve_recipes.split(",") if r.strip()]:
-            if recipe in curves:
-                continue
-            try:
-                curves[recipe] = loss_curve(recipe, a.tiny, a.curve_steps)
-                print(
-                    f"curve {recipe}: {curves[recipe]['seconds']:.0f} s, final loss {curves[recipe]['losses'][-1]:.3f}"
-                )
-            except Exception:  # noqa: BLE001 - keep the other parts
-                print(f"FAIL curve {recipe}:\n" + traceback.format_exc()[-1500:])
-                status = 1
-            report["curves"] = curves
-            save()
-        if "none" in curves and "fp8_rowwise" in curves:
-            base, quant = curves["none"]["losses"], curves["fp8_rowwise"]["losses"]
+        todo = [spec for spec in specs if spec not in curves]
+        if a.curve_parallel and len(todo) > 1:
+            curves.update(run_curves_in_parallel(todo, a.tiny, a.curve_steps, a.out))
+            status |= int(any(spec not in curves for spec in todo))
+        else:
+            for spec in todo:
+                try:
+                    curves[spec] = loss_curve(spec, a.tiny, a.curve_steps)
+                    print(f"curve {spec}: {curves[spec]['seconds']:.0f} s, final loss {curves[spec]['losses'][-1]:.3f}")
+                except Exception:  # noqa: BLE001 - keep the other curves
+                    print(f"FAIL curve {spec}:\n" + traceback.format_exc()[-1500:])
+                    status = 1
+                report["curves"] = curves
+                save()
+        report["curves"] = curves
+        if "none" in curves and len(curves) > 1:
+            base = curves["none"]["losses"]
             every = max(1, len(base) // 8)
-            print("curve step " + "".join(f"{s + 1:>7}" for s in range(0, len(base), every)))
-            for name, losses in (("bf16", base), ("fp8_rowwise", quant)):
-                print(f"{name:<11}" + "".join(f"{losses[s]:>7.3f}" for s in range(0, len(losses), every)))
-            summary = curve_summary(base, quant)
-            report["curve_summary"] = summary
-            print(
-                f"loss gap fp8_rowwise - bf16, last quarter of {summary['compared_steps']} steps: mean {summary['mean_gap_last_quarter']:+.4f}, mean |gap| "
-                f"{summary['mean_abs_gap_last_quarter']:.4f} (bf16 step-to-step noise {summary['bf16_step_noise_last_quarter']:.4f}); "
-                f"final {summary['final_bf16']:.3f} vs {summary['final_fp8']:.3f}; "
-                f"{curves['none']['seconds']:.0f} s + {curves['fp8_rowwise']['seconds']:.0f} s"
-            )
-            if not all(math.isfinite(v) for v in quant):
-                print("FAIL curve: non-finite fp8_rowwise loss")
-                status = 1
+            print("curve step  " + "".join(f"{s + 1:>7}" for s in range(0, len(base), every)))
+            for spec, c in curves.items():
+                print(f"{spec:<12}" + "".join(f"{c['losses'][s]:>7.3f}" for s in range(0, len(c["losses"]), every)))
+            verdict = curves_verdict(curves)
+            report["curve_summary"] = verdict
+            for spec, v in verdict.items():
+                noise = v.get("bf16_run_to_run_mean_abs_gap_last_quarter", float("nan"))
+                print(
+                    f"{spec} - bf16, last quarter of {v['compared_steps']} steps: mean {v['mean_gap_last_quarter']:+.4f}, "
+                    f"mean |gap| {v['mean_abs_gap_last_quarter']:.4f} vs bf16 run-to-run {noise:.4f}, max |gap| "
+                    f"{v['max_abs_gap']:.3f}; final {v['final_bf16']:.3f} vs {v['final_fp8']:.3f}: "
+                    f"{'within' if v.get('within_noise') else 'NOT within'} bf16 run-to-run noise"
+                )
+                if not v["finite"]:
+                    print(f"FAIL curve: non-finite {spec} loss")
+                    status = 1
 
     save()
     print(f"wrote {a.out}")

@@ -50,3 +50,22 @@ def test_layers_filter_selects_the_mlp_and_expert_cases_by_name():
     assert any(n.endswith(".experts") for n in picked) and any(".mlp." in n for n in picked)
     assert len(picked) < len(names)  # the attention projections are left out
     assert [n for n in names if bench_quantization.selected(n, [])] == names
+
+
+def test_curve_specs_and_the_verdict_against_the_bf16_run_to_run_gap():
+    assert bench_quantization.parse_curve_spec("none") == ("none", 7)
+    assert bench_quantization.parse_curve_spec("none@8") == ("none", 8)
+    base = [4.0 - 0.1 * i for i in range(16)]
+    curves = {
+        "none": {"losses": base},
+        "none@8": {"losses": [b + (0.03 if i % 2 else -0.03) for i, b in enumerate(base)]},  # run-to-run |gap| 0.03
+        "fp8_rowwise": {"losses": [b + 0.01 for b in base]},
+        "fp8_blockwise": {"losses": [b + 0.05 for b in base]},
+        "mxfp8": {"losses": base[:-1] + [float("nan")]},
+    }
+    verdict = bench_quantization.curves_verdict(curves)
+    assert set(verdict) == {"fp8_rowwise", "fp8_blockwise", "mxfp8"}  # bf16 runs are the reference, not judged
+    assert verdict["fp8_rowwise"]["within_noise"] and not verdict["fp8_blockwise"]["within_noise"]
+    assert math.isclose(verdict["fp8_blockwise"]["bf16_run_to_run_mean_abs_gap_last_quarter"], 0.03, abs_tol=1e-12)
+    assert math.isclose(verdict["fp8_blockwise"]["max_abs_gap"], 0.05, abs_tol=1e-12)
+    assert not verdict["mxfp8"]["finite"] and not verdict["mxfp8"]["within_noise"]
