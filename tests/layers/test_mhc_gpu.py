@@ -112,8 +112,12 @@ def test_fused_mhc_bf16_stream_on_cuda_is_as_accurate_as_exact_fp32(compiled, mo
     w = torch.rand(H, device="cuda").add(0.5).bfloat16()
     g = torch.randn(B, S, n, H, device="cuda").bfloat16()
 
-    fn = torch.compile(_pair) if compiled else _pair
-    got = _run_pair(fn, fast, x, w, g)
+    with monkeypatch.context() as m:
+        # inductor fuses the bf16 elementwise glue between the Functions (collapse -> * w -> tanh) in fp32 and
+        # skips its intermediate bf16 roundings unless told to keep them; with them kept, the compiled run rounds
+        # where eager and the reference do, so what is measured is the compiled Functions' own arithmetic
+        m.setattr(torch._inductor.config, "emulate_precision_casts", True)
+        got = _run_pair(torch.compile(_pair) if compiled else _pair, fast, x, w, g)
     with monkeypatch.context() as m:
         m.setattr(projection, "_use_split_bf16", lambda *a, **k: False)
         m.setattr(sinkhorn, "_HAS_TRITON", False)
