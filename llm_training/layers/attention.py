@@ -80,7 +80,9 @@ class GDLAttention(nn.Module):
         layer runs on its own (one document per row), in which case it builds its own."""
         B, S, _ = x_BSH.shape
         if metadata is None:
-            metadata = build_attention_metadata(self.attention_backend, None, [self.window], B, S, x_BSH.device)
+            metadata = build_attention_metadata(
+                self.attention_backend, None, [self.window], B, S, x_BSH.device, (self.d_nope + self.d_rope, self.d_v)
+            )
         cos, sin = self.rope.cos_sin(position_ids_BS)
 
         c_q = self.q_norm(self.wq_a(x_BSH))  # [B, S, q_lora]

@@ -186,23 +186,18 @@ def flex_attention_kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, re
     return out.transpose(1, 2), max_logits
 
 
-def _auto_picks_fa4(device: torch.device) -> bool:
-    from llm_training.layers.fa4_attention import fa4_usable
+def _auto_picks_fa4(device: torch.device, head_dims: Optional[tuple[int, int]]) -> bool:
+    """Whether backend auto runs flash-attn-4 on `device` for attention of (qk, v) `head_dims` (None: the caller
+    did not say; the GDLA dims are assumed)."""
+    from llm_training.layers.fa4_attention import fa4_head_dims_problem, fa4_usable
 
-    return fa4_usable(device)
-
-
-def _auto_uses_flex(
-    window: Optional[int], has_documents: bool, device: torch.device, picks_fa4: Optional[bool] = None
-) -> bool:
-    """`picks_fa4`: already decided (AttentionMetadata.auto_picks_fa4), so compiled layers never probe the import."""
-    if picks_fa4 is None:
-        picks_fa4 = _auto_picks_fa4(device)
-    return device.type == "cuda" and (window is not None or has_documents) and not picks_fa4
+    return fa4_usable(device) and (head_dims is None or fa4_head_dims_problem(*head_dims) is None)
 
 
-def _auto_uses_varlen(has_documents: bool, device: torch.device) -> bool:
-    return has_documents and device.type == "cuda" and _auto_picks_fa4(device)
+def _auto_uses_flex(window: Optional[int], has_documents: bool, device: torch.device) -> bool:
+    """Backend auto without flash-attn-4: FlexAttention for windows and documents on CUDA (with flash-attn-4,
+    `build_attention_metadata` applies the fa4 backend's rules instead)."""
+    return device.type == "cuda" and (window is not None or has_documents)
 
 
 def auto_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits):
@@ -223,7 +218,7 @@ def auto_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_ma
 
             return fa4_attention(q_BSHD, k_BSKD, v_BSKE, **kw)
         return sdpa_attention(q_BSHD, k_BSKD, v_BSKE, **kw)
-    uses_flex = _auto_uses_flex(window, metadata.document_ids is not None, q_BSHD.device, picks_fa4=False)
+    uses_flex = _auto_uses_flex(window, metadata.document_ids is not None, q_BSHD.device)
     kernel = flex_attention_kernel if uses_flex else sdpa_attention
     return kernel(q_BSHD, k_BSKD, v_BSKE, **kw)
 
@@ -253,7 +248,7 @@ ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "sdpa": AttentionBackend(sdpa_attention),
     "flex": AttentionBackend(flex_attention_kernel, lambda window, has_documents, device: True),
     "fa4": AttentionBackend(fa4_attention_kernel, uses_varlen=lambda has_documents, device: has_documents),
-    "auto": AttentionBackend(auto_attention, _auto_uses_flex, _auto_uses_varlen),
+    "auto": AttentionBackend(auto_attention, _auto_uses_flex),
 }
 
 
@@ -275,21 +270,24 @@ def build_attention_metadata(
     batch_size: int,
     seq_len: int,
     device: torch.device,
+    head_dims: Optional[tuple[int, int]] = None,
 ) -> AttentionMetadata:
     """The metadata of one forward: the document ids plus, for each window in `windows` (None = full causal)
     that `backend` runs through FlexAttention on `device`, its block mask, and the documents' cu_seqlens when
-    `backend` runs varlen there (one host sync, here and not in the layers)."""
+    `backend` runs varlen there (one host sync, here and not in the layers). `head_dims`: the layers' (qk, v)
+    head dims, which decide whether backend auto can run flash-attn-4 (`fa4_head_dims_problem`)."""
     spec = get_attention_backend(backend)
-    has_documents = document_ids_BS is not None
     device = torch.device(device)
+    auto_picks_fa4 = backend == "auto" and device.type == "cuda" and _auto_picks_fa4(device, head_dims)
+    rules = get_attention_backend("fa4") if auto_picks_fa4 else spec  # auto with fa4: fa4's masks and cu_seqlens
+    has_documents = document_ids_BS is not None
     masks = {
         window: flex_block_mask(document_ids_BS, window, batch_size, range(seq_len), range(seq_len), device)
         for window in windows
-        if spec.uses_flex(window, has_documents, device)
+        if rules.uses_flex(window, has_documents, device)
     }
     cu_seqlens = max_seqlen = None
-    auto_picks_fa4 = backend == "auto" and device.type == "cuda" and _auto_picks_fa4(device)
-    if spec.uses_varlen(has_documents, device):
+    if rules.uses_varlen(has_documents, device):
         from llm_training.layers.fa4_attention import document_cu_seqlens
 
         cu_seqlens, max_seqlen = document_cu_seqlens(document_ids_BS), document_ids_BS.shape[1]

@@ -26,6 +26,12 @@ which breaks SDPA and varlen on torch 2.11 / 2.13: dependencies.md).
   kernel on CUDA that keeps its tiles on chip: `max_logits_kernels`; at most the attention forward's q.k
   share, ~60% of its FLOPs at d_qk 192 / d_v 128; only on steps that record).
 
+- head dims: FA4 4.0.0b36's SM90 backward lays the dO tile [128, d_v] out with the swizzle of the qk head dim
+  (flash_bwd_sm90.py), which fails to compile ("expected top-level shape equivalence between the SMEM layout and
+  the CTA V-map") when the two padded head dims take different swizzles: motif3_debug's 24 / 16 did on the H200
+  (2026-12-04), the GDLA 192 / 128 runs. `fa4_head_dims_problem` accepts equal head dims or both >= 64 (one
+  128-byte swizzle for each); `auto` does not pick FA4 for other shapes, the fa4 backend raises for them.
+
 Only bf16 / fp16 on CUDA; anything else raises with the alternative named. The package is imported lazily.
 """
 
@@ -75,6 +81,16 @@ def _unavailable_reason(device: torch.device) -> Optional[str]:
     return None
 
 
+def fa4_head_dims_problem(d_qk: int, d_v: int) -> Optional[str]:
+    """None when FA4's kernels compile for these head dims (module docstring), else why not."""
+    if d_qk == d_v or (d_qk >= 64 and d_v >= 64):
+        return None
+    return (
+        f"flash-attn-4 4.0.0b36's backward does not compile for qk head dim {d_qk} with v head dim {d_v} (equal "
+        f"head dims, or both >= 64, do)"
+    )
+
+
 def fa4_usable(device) -> bool:
     """Whether the fa4 backend can run on `device` (`fa4_unavailable_reason` is None; cached per device)."""
     return fa4_unavailable_reason(device) is None
@@ -94,8 +110,8 @@ def document_cu_seqlens(document_ids_BS: torch.Tensor) -> torch.Tensor:
     return torch.cat([positions, total]).to(torch.int32)
 
 
-def _check_inputs(q_BSHD: torch.Tensor) -> None:
-    reason = fa4_unavailable_reason(q_BSHD.device)
+def _check_inputs(q_BSHD: torch.Tensor, v_BSKE: torch.Tensor) -> None:
+    reason = fa4_unavailable_reason(q_BSHD.device) or fa4_head_dims_problem(q_BSHD.shape[-1], v_BSKE.shape[-1])
     if reason is not None:
         raise RuntimeError(f"attention_backend = 'fa4': {reason}; use attention_backend = 'auto' or 'flex'")
     if q_BSHD.dtype not in _HALF_DTYPES:
@@ -126,7 +142,7 @@ def _flash_attn(q, k, v, *, scale, causal, window_size, cu_seqlens=None, max_seq
     breaks (FlexAttention: 5, 3, 0) and its forward compile took 46-54 s instead of 24 s (bench_vs_torchtitan,
     session 9). Disabled, the block's graph breaks once, before this call. cu_seqlens given: the varlen kernel over
     flattened [T, H, D] tokens. The inputs are checked here (device, dtype: a clear error before the import)."""
-    _check_inputs(q)
+    _check_inputs(q, v)
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
     if cu_seqlens is None:

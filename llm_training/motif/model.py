@@ -203,7 +203,13 @@ class Motif3Model(nn.Module):
         attention_docs = document_ids if attention_document_ids is None else attention_document_ids
         attention_len = S if attention_document_ids is None else attention_document_ids.shape[1]
         metadata = build_attention_metadata(
-            self.attention_backend, attention_docs, self.attention_windows, B, attention_len, input_ids.device
+            self.attention_backend,
+            attention_docs,
+            self.attention_windows,
+            B,
+            attention_len,
+            input_ids.device,
+            (self.args.head_dim, self.args.v_head_dim),
         )
         for rope in self._ropes:
             rope.prepare(input_ids.device, S)

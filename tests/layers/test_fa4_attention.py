@@ -80,7 +80,7 @@ def test_fa4_kernel_without_cuda_names_the_alternative():
 def test_fa4_rejects_fp32(monkeypatch):
     monkeypatch.setattr(fa4, "fa4_unavailable_reason", lambda device: None)
     with pytest.raises(RuntimeError, match="bf16 / fp16 only"):
-        fa4._check_inputs(torch.zeros(1, 2, 2, 8))
+        fa4._check_inputs(torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8))
 
 
 def test_config_accepts_fa4_and_the_environment_check_names_the_alternative():
@@ -148,7 +148,7 @@ def emulated_fa4(monkeypatch):
     package.cute = _fake_flash_attn_cute()
     monkeypatch.setitem(sys.modules, "flash_attn", package)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", package.cute)
-    monkeypatch.setattr(fa4, "_check_inputs", lambda q: None)
+    monkeypatch.setattr(fa4, "_check_inputs", lambda q, v: None)
 
 
 def _reference_lse(q, k, scale, window, docs):
@@ -389,3 +389,19 @@ def test_fa4_block_attention_on_gpu(queries, keys):
         results.append((out, lse, mx, *grads))
     for a, b, tol in zip(*results, (2e-2, 2e-2, 5e-2, 5e-2, 5e-2, 5e-2)):
         torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+def test_auto_picks_fa4_only_for_head_dims_its_backward_compiles(monkeypatch):
+    """flash-attn-4 b36's SM90 backward failed to compile for motif3_debug's qk 24 / v 16 on the H200: auto then
+    takes its other kernels (no varlen cu_seqlens), and the fa4 backend names the dims and the alternative."""
+    monkeypatch.setattr(fa4, "fa4_usable", lambda device: True)
+    cuda = torch.device("cuda")  # only the device type is read: no mask or cu_seqlens is built for these cases
+    picks = {
+        dims: build_attention_metadata("auto", None, [None], 1, 8, cuda, dims).auto_picks_fa4
+        for dims in [(24, 16), (192, 128), (24, 24), (64, 128), (32, 128), None]
+    }
+    assert picks == {(24, 16): False, (192, 128): True, (24, 24): True, (64, 128): True, (32, 128): False, None: True}
+    monkeypatch.setattr(fa4, "fa4_unavailable_reason", lambda device: None)
+    q, v = torch.zeros(1, 8, 10, 24, dtype=torch.bfloat16), torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"qk head dim 24 with v head dim 16.*attention_backend = 'auto' or 'flex'"):
+        fa4._check_inputs(q, v)
