@@ -13,11 +13,11 @@
     python bench/bench_quantization.py layers step curve          # all three (H200: layers alone > 5 min, below)
     python bench/bench_quantization.py layers --tiny               # a smoke run at tiny sizes
     python bench/bench_quantization.py layers --layers mlp,experts --recipes fp8_rowwise   # some layers, one recipe
-    python bench/bench_quantization.py curve --curve-steps 200 --curve-parallel   # the four curves at once
+    python bench/bench_quantization.py curve --curve-steps 200 --curve-parallel 3   # three curves at a time
 Writes bench/results/bench_quantization.json (or --out) after every part, so a run cut short keeps its parts.
 Time on the H200 (torch 2.11): `layers` compiles every layer once per recipe, ~65 s per layer with fp8_rowwise and
 fp8_blockwise (5 attention layers took 330 s), so run it alone in a 10-minute command. `curve`: one eager
-motif3_small run of 300 steps took 265 s alone, so the curves run as concurrent processes (`--curve-parallel`), or
+motif3_small run of 300 steps took 265 s alone, so the curves run as concurrent processes (`--curve-parallel N`), or
 one at a time against a saved bf16 curve:
 
     python bench/bench_quantization.py curve --curve-steps 300 --curve-recipes none,fp8_rowwise \
@@ -300,25 +300,30 @@ def curves_verdict(curves: dict) -> dict:
     return out
 
 
-def run_curves_in_parallel(specs: list[str], tiny: bool, steps: int, out: str) -> dict:
-    """Each curve in its own process on the same GPU, all at once (a motif3_small eager step leaves the H200
-    mostly idle, so four runs take little longer than one); each writes its own JSON beside `out`."""
+def run_curves_in_parallel(specs: list[str], tiny: bool, steps: int, out: str, at_once: int) -> dict:
+    """Each curve in its own process on the same GPU, `at_once` at a time (a motif3_small eager step leaves the
+    H200 mostly idle: three runs of 200 steps took 267-316 s together, one alone ~180 s); each writes its own JSON
+    beside `out`. Each run holds ~45 GiB on the H200 (2B parameters with fp32 master weights and AdamW state), so
+    three fit in its 140 GiB and four did not."""
     import signal
     import subprocess
 
-    procs = {}
-    for spec in specs:
-        path = f"{out}.{spec.replace('@', '_')}.json"
-        cmd = [sys.executable, __file__, "curve", "--curve-recipes", spec, "--curve-steps", str(steps), "--out", path]
-        procs[spec] = (subprocess.Popen([*cmd, *(["--tiny"] if tiny else [])]), path)
+    procs: dict = {}
     # a time limit's SIGTERM reaches every run, each of which then stops cleanly and saves the steps it ran
     signal.signal(signal.SIGTERM, lambda *_: [proc.terminate() for proc, _ in procs.values()])
     curves = {}
-    for spec, (proc, path) in procs.items():
-        if proc.wait() == 0:
-            curves.update(json.loads(Path(path).read_text()).get("curves", {}))
-        else:
-            print(f"FAIL curve {spec}: exit {proc.returncode}")
+    for start in range(0, len(specs), at_once):
+        batch = {}
+        for spec in specs[start : start + at_once]:
+            path = f"{out}.{spec.replace('@', '_')}.json"
+            cmd = [sys.executable, __file__, "curve", "--curve-recipes", spec, "--curve-steps", str(steps)]
+            batch[spec] = (subprocess.Popen([*cmd, "--out", path, *(["--tiny"] if tiny else [])]), path)
+        procs.update(batch)
+        for spec, (proc, path) in batch.items():
+            if proc.wait() == 0:
+                curves.update(json.loads(Path(path).read_text()).get("curves", {}))
+            else:
+                print(f"FAIL curve {spec}: exit {proc.returncode}")
     return curves
 
 
@@ -335,7 +340,9 @@ def main(argv=None) -> int:
         default="none,none@8,fp8_rowwise,fp8_blockwise",
         help="comma-separated curves: recipe or recipe@seed (default seed 7; none@8 is the bf16 run-to-run noise)",
     )
-    p.add_argument("--curve-parallel", action="store_true", help="run the curves as concurrent processes")
+    p.add_argument(
+        "--curve-parallel", type=int, default=1, help="run the curves as this many concurrent processes (H200: 3)"
+    )
     p.add_argument("--curve-baseline", help="a JSON this script wrote: its curves (e.g. the bf16 one, 'none') are "
                    "reused instead of run again when they ran the same steps and mHC backward (same seed and batches)")  # fmt: skip
     p.add_argument("--layers", default="", help="layers part: comma-separated substrings of the layer names to run "
@@ -413,8 +420,8 @@ def main(argv=None) -> int:
             curves = baseline_curves(a.curve_baseline, a.curve_steps)
             print(f"curves reused from {a.curve_baseline}: {sorted(curves) or 'none of that length'}")
         todo = [spec for spec in specs if spec not in curves]
-        if a.curve_parallel and len(todo) > 1:
-            curves.update(run_curves_in_parallel(todo, a.tiny, a.curve_steps, a.out))
+        if a.curve_parallel > 1 and len(todo) > 1:
+            curves.update(run_curves_in_parallel(todo, a.tiny, a.curve_steps, a.out, a.curve_parallel))
             status |= int(any(spec not in curves for spec in todo))
         else:
             for spec in todo:

@@ -19,7 +19,7 @@ gpu_suite() {
     tests activations/tests optimizer/tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -60
   local rc=${PIPESTATUS[0]}
   {
-    echo "GPU suite, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    echo "GPU suite, $(date -u +%FT%TZ)"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     python3 - <<'PY'
 import importlib
