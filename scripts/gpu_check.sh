@@ -15,7 +15,7 @@ source "$ROOT/scripts/device/wheels.sh"  # our packages + the optional wheels ca
 # The whole GPU suite (every test marked gpu, in every test folder): the log, and a summary (machine, library
 # versions, pytest's closing line, each failure) in $OUT/gpu_suite_summary.txt. Its exit status is pytest's.
 gpu_suite() {
-  python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" --timeout 300 \
+  python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" --timeout 300 --durations=15 \
     tests activations/tests optimizer/tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -60
   local rc=${PIPESTATUS[0]}
   {
