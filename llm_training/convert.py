@@ -22,8 +22,6 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
 
 def _stored_hf_config(dcp_dir: Path) -> dict:
     """The config.json dict saved in a DCP checkpoint's `train_state.model_config_json` (a run's
@@ -77,10 +75,12 @@ def dcp_to_hf(src: Path, dst: Path, dtype: str, flavor: str | None) -> None:
     model.to_empty(device="cpu")
     model.init_weights(buffer_device=torch.device("cpu"))  # every entry is then overwritten by the load
     load_model_weights_dcp(model, src)
-    export_hf_checkpoint(model, dst, dtype=DTYPES[dtype], base_config=base_config)
+    export_hf_checkpoint(model, dst, dtype=getattr(torch, dtype), base_config=base_config)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from llm_training.config.job_config import DTYPE_NAMES
+
     parser = argparse.ArgumentParser(prog="python -m llm_training.convert", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("hf-to-dcp", help="HuggingFace safetensors dir -> DCP dir")
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("dcp-to-hf", help="DCP checkpoint dir -> HuggingFace safetensors dir")
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of non-fp32 tensors")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16", help="dtype of non-fp32 tensors")
     p.add_argument("--flavor", default=None, help="model flavor, when the checkpoint has no stored config")
     ns = parser.parse_args(argv)
     if not ns.src.exists():

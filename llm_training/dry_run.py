@@ -105,23 +105,14 @@ class BuiltJob:
 
 
 def build_job(job_config, parallel_dims: ParallelDims) -> BuiltJob:
-    """The trainer's model / optimizer setup through the model family's spec, on meta (needs the process group)."""
+    """The trainer's model / optimizer setup (`trainer.components.build_components`, the same function), on meta
+    (needs the process group)."""
     from llm_training.motif.spec import MOTIF3_SPEC as spec
-    from llm_training.quantization import apply_converters
-    from llm_training.trainer.optim import build_optimizers
+    from llm_training.trainer.components import build_components
 
     parallel_dims.build_mesh("cpu")
-    model_args = spec.get_flavor(job_config.model.flavor)
-    with torch.device("meta"):
-        model = spec.build_model(model_args, job_config)
-    apply_converters(model, job_config)
-    parallel = spec.parallelize(model, parallel_dims, job_config, torch.device("cuda"))  # nothing allocated
-    materialised = [name for name, p in model.named_parameters() if not p.is_meta]
-    if materialised:
-        raise RuntimeError(f"dry run: parallelize materialised parameters off the meta device: {materialised[:3]}")
-    rules, forbidden = spec.optimizer_rules(job_config.optimizer)
-    optimizers = build_optimizers(model, job_config, rules, forbidden)
-    return BuiltJob(model, model_args, optimizers, parallel)
+    built = build_components(spec, job_config, parallel_dims, torch.device("cuda"), init_weights=False)
+    return BuiltJob(built.model, built.model_args, built.optimizers, built.parallel)
 
 
 # ---------------------------------------------------------------------------------------- measuring

@@ -17,7 +17,7 @@ The family's collectives-free model code only produces statistics; the trainer o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 import torch
 from torch import nn
@@ -54,17 +54,19 @@ class StateDictAdapter:
 class ModelSpec:
     """Everything the trainer needs to know about a model family."""
 
-    name: str
-    flavors: Mapping[str, Any]  # flavor name -> model args
+    name: str  # the family's name, in the run's log
     get_flavor: Callable[[str], Any]  # the args of a flavor (error lists the valid names)
     build_model: Callable[[Any, Any], nn.Module]  # (model args, job_config) -> model, on the current default device
     parallelize: Callable[..., Any]  # (model, parallel_dims, job_config, device) -> ParallelizedModel
     optimizer_rules: Callable[[Any], tuple[list, tuple[str, ...]]]  # [optimizer] -> (group rules, forbidden names)
-    is_fp32_param: Callable[[str], bool]  # parameter / buffer FQN -> stays fp32 (mixed precision, export)
     state_dict_adapter: StateDictAdapter
     build_step_hooks: Callable[[nn.Module, Any, Any], StepHooks]  # (model, model args, job_config) -> hooks
     head_weight: Callable[[nn.Module], torch.Tensor]  # the output projection the fused loss multiplies
     num_mtp_modules: Callable[[Any], int]  # model args -> multi-token-prediction modules (0: none)
+    # (input ids [B, S], number of MTP modules) -> the ids each MTP module embeds, one [B, S] tensor per module
+    mtp_inputs: Callable[[torch.Tensor, int], list]
+    flops_per_token: Callable[[Any, int, str], float]  # (model args, seq_len, MFU convention) -> training FLOPs
+    param_counts: Callable[[Any], Any]  # model args -> counts with `total`, `mtp`, `active` (the run's log)
     # (model args, tokens per rank, activation_checkpoint mode, compute dtype) -> estimate with `saved_bytes` (kept
     # from forward to backward) and `recompute_bytes` (one block re-materialised in its backward); the dry run's
     activation_memory: Callable[[Any, int, str, torch.dtype], Any]

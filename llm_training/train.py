@@ -24,7 +24,6 @@ from llm_training.config import (
     ConfigError,
     ConfigManager,
     JobConfig,
-    grad_accumulation_steps,
     to_toml,
     validate_environment,
     validate_for_world_size,
@@ -57,25 +56,9 @@ def write_resolved_config(job_config: JobConfig) -> Path:
 
 
 def run(job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device) -> None:
-    """The training job proper, after setup: log the batch layout, then train (llm_training.trainer)."""
+    """The training job proper, after setup (llm_training.trainer; it logs the batch layout)."""
     from llm_training.trainer import train  # heavy imports (model, data, optimizer) only once config is valid
 
-    accum = grad_accumulation_steps(job_config, parallel_dims.dp_size)
-    t = job_config.training
-    tokens_per_step = t.local_batch_size * parallel_dims.dp_size * accum * t.seq_len
-    logger.info(
-        "layout: dp_replicate %d x dp_shard %d x cp %d (ep %d) on %d ranks; %d sequences/rank x %d accumulation "
-        "steps -> %s tokens per optimizer step, %d steps",
-        parallel_dims.dp_replicate,
-        parallel_dims.dp_shard,
-        parallel_dims.cp,
-        parallel_dims.ep,
-        parallel_dims.world_size,
-        t.local_batch_size,
-        accum,
-        f"{tokens_per_step:,}",
-        t.steps,
-    )
     train(job_config, parallel_dims, device)
 
 

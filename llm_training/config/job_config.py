@@ -21,6 +21,10 @@ from llm_training.layers.attention_backends import ATTENTION_BACKENDS
 from llm_training.motif import MODEL_FLAVORS
 from llm_training.quantization import MODULE_KINDS, RECIPES
 
+# The dtype names the config accepts for parameters, gradient reduction and exports: names of torch dtypes, which
+# their users resolve with getattr(torch, name).
+DTYPE_NAMES = ("bfloat16", "float32")
+
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../llm_training
 ASSETS_DIR = PACKAGE_DIR / "data" / "assets"
 
@@ -99,10 +103,10 @@ class Training:
     deterministic: bool = option(False, "use deterministic algorithms (slower; bitwise-reproducible where feasible)")
     mtp_loss_weight: float = option(0.3, "weight of the multi-token-prediction loss added to the main loss")
     mixed_precision_param: str = option(
-        "bfloat16", "dtype of parameters in forward/backward (FSDP2 param_dtype)", choices=("bfloat16", "float32")
+        "bfloat16", "dtype of parameters in forward/backward (FSDP2 param_dtype)", choices=DTYPE_NAMES
     )
     mixed_precision_reduce: str = option(
-        "float32", "dtype of gradient reduction (FSDP2 reduce_dtype)", choices=("bfloat16", "float32")
+        "float32", "dtype of gradient reduction (FSDP2 reduce_dtype)", choices=DTYPE_NAMES
     )
     max_consecutive_nonfinite: int = option(
         3, "abort after this many consecutive steps with a non-finite loss or grad norm (those steps are skipped)"
@@ -198,7 +202,7 @@ class Checkpoint:
         "", "weights to start from when no checkpoint of this run exists (empty: random init)"
     )
     initial_load_format: str = option("hf", "format of initial_load_path", choices=("hf", "dcp"))
-    export_dtype: str = option("bfloat16", "dtype of exported HF safetensors", choices=("bfloat16", "float32"))
+    export_dtype: str = option("bfloat16", "dtype of exported HF safetensors", choices=DTYPE_NAMES)
     on_damaged: str = option(
         "fall_back",
         "newest checkpoint fails verification (missing, truncated or corrupted file): move it aside and resume "

@@ -55,8 +55,6 @@ from llm_training.distributed.fsdp import ReplicatedGradSync, apply_fsdp
 from llm_training.layers.moe import MoE
 from llm_training.motif.state_dict_adapter import is_fp32_key
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
 
 @dataclass
 class ParallelizedModel:
@@ -127,8 +125,8 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
     fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"] if parallel_dims.dp_replicate_enabled else mesh["dp_shard_cp"]
     if device.type == "cuda":
         mp = MixedPrecisionPolicy(
-            param_dtype=_DTYPES[job_config.training.mixed_precision_param],
-            reduce_dtype=_DTYPES[job_config.training.mixed_precision_reduce],
+            param_dtype=getattr(torch, job_config.training.mixed_precision_param),
+            reduce_dtype=getattr(torch, job_config.training.mixed_precision_reduce),
         )
     else:
         mp = MixedPrecisionPolicy()  # fp32 on CPU / gloo

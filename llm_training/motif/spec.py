@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from llm_training.model_spec import ModelSpec, StateDictAdapter
-from llm_training.motif import MODEL_FLAVORS, get_flavor
+from llm_training.motif import get_flavor, param_counts, training_flops_per_token
 from llm_training.motif.activation_memory import estimate_activation_memory
 from llm_training.motif.model import Motif3Model
+from llm_training.motif.mtp import mtp_inputs
 from llm_training.motif.optimizer_groups import motif_optimizer_rules
 from llm_training.motif.parallelize import parallelize_motif
 from llm_training.motif.state_dict_adapter import (
     export_hf_checkpoint,
-    is_fp32_key,
     load_hf_checkpoint,
     run_hf_config,
 )
@@ -26,15 +26,16 @@ def build_motif3(model_args, job_config) -> Motif3Model:
 
 MOTIF3_SPEC = ModelSpec(
     name="motif3",
-    flavors=MODEL_FLAVORS,
     get_flavor=get_flavor,
     build_model=build_motif3,
     parallelize=parallelize_motif,
     optimizer_rules=motif_optimizer_rules,
-    is_fp32_param=is_fp32_key,
     state_dict_adapter=StateDictAdapter(run_hf_config, load_hf_checkpoint, export_hf_checkpoint),
     build_step_hooks=MotifStepHooks,
     head_weight=lambda model: model.lm_head.weight,
     num_mtp_modules=lambda model_args: model_args.num_nextn_predict_layers,
+    mtp_inputs=mtp_inputs,
+    flops_per_token=training_flops_per_token,
+    param_counts=param_counts,
     activation_memory=estimate_activation_memory,
 )

@@ -15,7 +15,6 @@ from typing import Callable
 
 import torch
 
-from llm_training.motif.mtp import mtp_inputs
 from llm_training.trainer.losses import shift_labels
 
 
@@ -43,8 +42,11 @@ class PreparedBatch:
         return PreparedBatch(**out)
 
 
-def prepare_batch(raw: dict[str, torch.Tensor], num_mtp: int) -> PreparedBatch:
-    """The loader's batch dict plus the MTP inputs and targets of `num_mtp` modules (on the batch's device)."""
+def prepare_batch(
+    raw: dict[str, torch.Tensor], num_mtp: int, mtp_inputs: Callable[[torch.Tensor, int], list[torch.Tensor]]
+) -> PreparedBatch:
+    """The loader's batch dict plus the MTP inputs (the family's `ModelSpec.mtp_inputs`) and targets of `num_mtp`
+    modules (on the batch's device)."""
     labels, document_ids = raw["labels"], raw["document_ids"]
     return PreparedBatch(
         input_ids=raw["input_ids"],

@@ -61,6 +61,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from llm_training.distributed.utils import rank, world_size
+
 # A single-process run saves and loads with no_dist=True on purpose; DCP still warns about it on every call.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -78,14 +80,6 @@ class CheckpointDamagedError(RuntimeError):
     """A checkpoint whose files do not match its completion marker (names the checkpoint and the files)."""
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
 def _barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
@@ -95,7 +89,7 @@ def _all_gather(value: Any) -> list[Any]:
     """`value` of every rank, in rank order (a list of one without torch.distributed)."""
     if not dist.is_initialized():
         return [value]
-    out: list[Any] = [None] * dist.get_world_size()
+    out: list[Any] = [None] * dist.getworld_size()
     dist.all_gather_object(out, value)
     return out
 
@@ -262,7 +256,7 @@ def _checkpoint_files(folder: Path) -> list[str]:
 
 def _hash_share(folder: Path, names: list[str]) -> dict[str, dict]:
     """{name: {size, sha256}} of this rank's share of `names` (every world_size-th, from its rank)."""
-    share = names[_rank() :: _world_size()]
+    share = names[rank() :: world_size()]
     return {n: {"size": (folder / n).stat().st_size, "sha256": _sha256(folder / n)} for n in share}
 
 
@@ -296,7 +290,7 @@ def verify_checkpoint(folder: str | os.PathLike) -> list[str]:
         problems = []
     names = sorted(expected)
     mine = []
-    for name in names[_rank() :: _world_size()]:
+    for name in names[rank() :: world_size()]:
         path, want = folder / name, expected[name]
         if not path.is_file():
             mine.append(f"{path}: missing")
@@ -344,7 +338,7 @@ class CheckpointManager:
         self._pending = None  # (future, tmp_dir, step) of an async save not yet published
         # Background saves must not share the default group with the training collectives.
         self._async_group = dist.new_group(backend="gloo") if async_mode == "async" and dist.is_initialized() else None
-        if _rank() == 0:
+        if rank() == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             for d in self.folder.iterdir():
                 if _TMP_DIR.match(d.name):
@@ -393,7 +387,7 @@ class CheckpointManager:
         files: dict[str, dict] = {}
         for share in _all_gather(_hash_share(tmp, _checkpoint_files(tmp))):
             files.update(share)
-        if _rank() == 0:
+        if rank() == 0:
             marker = {"format": MARKER_FORMAT, "step": step, "files": dict(sorted(files.items()))}
             (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=1) + "\n", encoding="utf-8")
             os.replace(tmp, self.step_dir(step))
@@ -448,7 +442,7 @@ class CheckpointManager:
 
     def _set_aside(self, step: int) -> None:
         token = self._shared_token()
-        if _rank() == 0:
+        if rank() == 0:
             os.replace(self.step_dir(step), self.folder / f"step-{step}.damaged-{token}")
         _barrier()
 

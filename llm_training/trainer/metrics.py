@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from llm_training.motif.args import Motif3ModelArgs, training_flops_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +115,7 @@ class MetricsLogger:
     """Accumulates StepRecords and emits one line + one JSONL record per `log_freq` steps (rank 0 only
     writes; every rank may call it)."""
 
-    args: Motif3ModelArgs
-    seq_len: int
+    flops_per_token: dict[str, float]  # training FLOPs per token in each of MFU_CONVENTIONS (ModelSpec)
     total_steps: int
     log_freq: int
     run_folder: Path
@@ -140,7 +138,6 @@ class MetricsLogger:
     _tb: Any = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.flops_per_token = {c: training_flops_per_token(self.args, self.seq_len, c) for c in MFU_CONVENTIONS}
         self.peak = peak_bf16_flops(self.device)
         self.jsonl_path = Path(self.run_folder) / "metrics.jsonl"
         if not self.is_rank0:

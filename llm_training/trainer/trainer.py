@@ -36,9 +36,7 @@ from llm_training.config import grad_accumulation_steps, to_toml
 from llm_training.distributed.compile import compile_progress
 from llm_training.distributed.utils import all_reduce_, clip_grad_norm_, rank, world_size
 from llm_training.model_spec import StepStat
-from llm_training.motif import param_counts, training_flops_per_token
 from llm_training.motif.spec import MOTIF3_SPEC
-from llm_training.quantization import apply_converters
 from llm_training.trainer.batch import PreparedBatch, prepare_batch
 from llm_training.trainer.checkpoint import (
     CheckpointManager,
@@ -48,8 +46,9 @@ from llm_training.trainer.checkpoint import (
     restore_rng_of_rank,
     rng_state,
 )
+from llm_training.trainer.components import build_components
 from llm_training.trainer.losses import count_labelled_tokens, micro_batch_loss
-from llm_training.trainer.metrics import MetricsLogger, StepRecord
+from llm_training.trainer.metrics import MFU_CONVENTIONS, MetricsLogger, StepRecord
 from llm_training.trainer.resume import reapply_lr_schedule, warn_changed_config
 
 logger = logging.getLogger(__name__)
@@ -182,7 +181,6 @@ class Trainer:
 
     def __init__(self, job_config, parallel_dims, device: torch.device):
         from llm_training.data import build_dataloader, build_tokenizer
-        from llm_training.trainer.optim import build_optimizers
 
         self.job_config = c = job_config
         self.parallel_dims = parallel_dims
@@ -193,33 +191,29 @@ class Trainer:
         self.dp_size = parallel_dims.dp_size
         self.accum = grad_accumulation_steps(c, self.dp_size)
         t = c.training
+        logger.info(
+            "layout: dp_replicate %d x dp_shard %d x cp %d (ep %d) on %d ranks; %d sequences/rank x %d accumulation "
+            "steps -> %s tokens per optimizer step, %d steps",
+            parallel_dims.dp_replicate,
+            parallel_dims.dp_shard,
+            parallel_dims.cp,
+            parallel_dims.ep,
+            parallel_dims.world_size,
+            t.local_batch_size,
+            self.accum,
+            f"{t.local_batch_size * self.dp_size * self.accum * t.seq_len:,}",
+            t.steps,
+        )
         _seed_everything(t.seed)
 
-        self.model_args = spec.get_flavor(c.model.flavor)
-        _log_model_summary(c.model.flavor, self.model_args, t.seq_len)
+        _log_model_summary(spec, c.model.flavor, spec.get_flavor(c.model.flavor), t.seq_len)
         self.tokenizer = build_tokenizer(c.model.tokenizer_path)
         self.dataloader = build_dataloader(c, self.tokenizer, self.dp_rank, self.dp_size)
 
-        # CUDA: build on meta, shard, then initialise the shards in place (DTensor random ops give every shard
-        # its own part of the full tensor's random stream). CPU: DTensor random ops are not supported on a CPU
-        # mesh (every rank would draw the SAME values for its shard: rows repeated across shards), so the full
-        # model is initialised first and FSDP2 then keeps each rank's rows of it (same weights as one process).
-        init_full_first = self.device.type == "cpu"
-        with torch.device(self.device if init_full_first else "meta"):
-            self.model = spec.build_model(self.model_args, c)
-        if init_full_first:
-            torch.manual_seed(t.seed)
-            self.model.init_weights(buffer_device=self.device)
-        self.converters = apply_converters(self.model, c)  # low precision: before parallelization
-        self.parallel = spec.parallelize(self.model, parallel_dims, c, self.device)
-        if not init_full_first:
-            self.model.to_empty(device=self.device)
-            torch.manual_seed(t.seed)
-            self.model.init_weights(buffer_device=self.device)
+        built = build_components(spec, c, parallel_dims, self.device)
+        self.model_args, self.model, self.converters = built.model_args, built.model, built.converters
+        self.parallel, self.optimizers = built.parallel, built.optimizers  # Muon + AdamW, with .lr_scheduler
         self.model.train()
-
-        rules, forbidden = spec.optimizer_rules(c.optimizer)
-        self.optimizers = build_optimizers(self.model, c, rules, forbidden)  # Muon + AdamW, with .lr_scheduler
         self.lr_scheduler = self.optimizers.lr_scheduler
         self.hooks = spec.build_step_hooks(self.model, self.model_args, c)
         self.num_mtp = spec.num_mtp_modules(self.model_args)
@@ -296,7 +290,7 @@ class Trainer:
         # Progress = optimizer steps taken so far / total (0 on the first step), from the LR scheduler's step
         # count: it is checkpointed, so a resumed run sees the same schedule as an uninterrupted one.
         self.hooks.begin_step(self.lr_scheduler.last_step / max(t.steps, 1))
-        full_batches = [prepare_batch(mb, self.num_mtp) for mb in micro_batches]
+        full_batches = [prepare_batch(mb, self.num_mtp, self.spec.mtp_inputs) for mb in micro_batches]
         # Context parallelism: the cp ranks of a data rank read the same batch and each keeps its shard of every
         # [B, S] tensor; attention still needs the whole sequence's document ids.
         cp = self.parallel.context_parallel
@@ -379,8 +373,9 @@ class Trainer:
         self._resume_or_initial_load()
         start_step = self.train_state.step
         metrics = MetricsLogger(
-            args=self.model_args,
-            seq_len=c.training.seq_len,
+            flops_per_token={
+                conv: self.spec.flops_per_token(self.model_args, c.training.seq_len, conv) for conv in MFU_CONVENTIONS
+            },
             total_steps=c.training.steps,
             log_freq=c.metrics.log_freq,
             run_folder=self.run_folder,
@@ -483,19 +478,20 @@ def _json(obj) -> str:
     return json.dumps(obj, sort_keys=True)
 
 
-def _log_model_summary(flavor: str, model_args, seq_len: int) -> None:
-    """Parameter counts and training FLOPs/token of the flavor (from the args)."""
-    counts = param_counts(model_args)
+def _log_model_summary(spec, flavor: str, model_args, seq_len: int) -> None:
+    """Parameter counts and training FLOPs/token of the flavor (from the args, through the family's spec)."""
+    counts = spec.param_counts(model_args)
     logger.info(
-        "model %s: total params %s (+ MTP %s), active params/token %s; training FLOPs/token at seq %d: "
+        "model %s/%s: total params %s (+ MTP %s), active params/token %s; training FLOPs/token at seq %d: "
         "%.4g (megatron), %.4g (torchtitan)",
+        spec.name,
         flavor,
         f"{counts.total:,}",
         f"{counts.mtp:,}",
         f"{counts.active:,}",
         seq_len,
-        training_flops_per_token(model_args, seq_len, "megatron"),
-        training_flops_per_token(model_args, seq_len, "torchtitan"),
+        spec.flops_per_token(model_args, seq_len, "megatron"),
+        spec.flops_per_token(model_args, seq_len, "torchtitan"),
     )
 
 

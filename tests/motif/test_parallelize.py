@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from llm_training.distributed import ParallelDims
 from llm_training.motif import get_flavor
 from llm_training.motif.model import Motif3Model
+from llm_training.motif.mtp import mtp_inputs
 from llm_training.motif.parallelize import parallelize_motif
 from llm_training.trainer.batch import prepare_batch
 from llm_training.trainer.losses import count_labelled_tokens, micro_batch_loss
@@ -40,7 +41,7 @@ def _batch():
     labels[:, 9] = -100  # the last token of the first document predicts nothing
     docs = (torch.arange(16) >= 10).long().expand(4, 16)
     pos = torch.cat([torch.arange(10), torch.arange(6)]).expand(4, 16)
-    return prepare_batch({"input_ids": ids, "labels": labels, "position_ids": pos, "document_ids": docs}, 1)
+    return prepare_batch({"input_ids": ids, "labels": labels, "position_ids": pos, "document_ids": docs}, 1, mtp_inputs)
 
 
 def _reference_model():

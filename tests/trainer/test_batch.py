@@ -3,6 +3,7 @@ of the prepared batch is [B, S] and sliced together."""
 
 import torch
 
+from llm_training.motif.mtp import mtp_inputs
 from llm_training.trainer.batch import prepare_batch
 
 
@@ -16,7 +17,7 @@ def _raw():
 
 
 def test_mtp_inputs_and_targets_by_hand():
-    b = prepare_batch(_raw(), num_mtp=2)
+    b = prepare_batch(_raw(), num_mtp=2, mtp_inputs=mtp_inputs)
     # module k embeds t_{i+k+1}; the last k+1 positions repeat the row's last id
     assert b.mtp_input_ids[0].tolist() == [[11, 12, 13, 14, 14], [21, 22, 23, 24, 24]]
     assert b.mtp_input_ids[1].tolist() == [[12, 13, 14, 14, 14], [22, 23, 24, 24, 24]]
@@ -27,7 +28,7 @@ def test_mtp_inputs_and_targets_by_hand():
 
 
 def test_map_applies_to_every_tensor_alike():
-    b = prepare_batch(_raw(), num_mtp=1)
+    b = prepare_batch(_raw(), num_mtp=1, mtp_inputs=mtp_inputs)
     cut = b.map(lambda t: t[:, 1:4])  # e.g. one context-parallel shard of the sequence
     assert cut.input_ids.tolist() == [[11, 12, 13], [21, 22, 23]]
     assert cut.document_ids.tolist() == [[0, 0, 1], [0, 1, 1]]

@@ -8,6 +8,7 @@ import torch
 
 from llm_training.motif import get_flavor, training_flops_per_token
 from llm_training.trainer.metrics import (
+    MFU_CONVENTIONS,
     MetricsLogger,
     StepRecord,
     format_eta,
@@ -15,6 +16,11 @@ from llm_training.trainer.metrics import (
 )
 
 ARGS = get_flavor("motif3_debug")
+
+
+def flops_by_convention(seq_len):
+    """The per-convention FLOPs/token the trainer hands the logger (through ModelSpec.flops_per_token)."""
+    return {c: training_flops_per_token(ARGS, seq_len, c) for c in MFU_CONVENTIONS}
 
 
 def _rec(step, loss, skipped=False, qk=0):
@@ -36,7 +42,12 @@ def _rec(step, loss, skipped=False, qk=0):
 
 def test_jsonl_records_and_throughput(tmp_path):
     log = MetricsLogger(
-        ARGS, seq_len=64, total_steps=4, log_freq=2, run_folder=tmp_path, device=torch.device("cpu"), world_size=2
+        flops_by_convention(64),
+        total_steps=4,
+        log_freq=2,
+        run_folder=tmp_path,
+        device=torch.device("cpu"),
+        world_size=2,
     )
     for step, loss in ((1, 5.0), (2, 3.0), (3, float("nan")), (4, 2.0)):
         log.record(_rec(step, loss, skipped=step == 3, qk=1 if step == 4 else 0))
@@ -65,7 +76,9 @@ def _strict_json(line: str):
 
 
 def test_jsonl_is_strict_json_with_null_for_non_finite(tmp_path):
-    log = MetricsLogger(ARGS, seq_len=64, total_steps=2, log_freq=1, run_folder=tmp_path, device=torch.device("cpu"))
+    log = MetricsLogger(
+        flops_by_convention(64), total_steps=2, log_freq=1, run_folder=tmp_path, device=torch.device("cpu")
+    )
     log.record(_rec(1, float("nan"), skipped=True))
     bad = _rec(2, float("inf"), skipped=True)
     bad.grad_norm = float("-inf")
@@ -93,7 +106,12 @@ def test_resumed_logger_drops_the_records_after_its_step(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
     log = MetricsLogger(
-        ARGS, seq_len=64, total_steps=5, log_freq=1, run_folder=tmp_path, device=torch.device("cpu"), start_step=3
+        flops_by_convention(64),
+        total_steps=5,
+        log_freq=1,
+        run_folder=tmp_path,
+        device=torch.device("cpu"),
+        start_step=3,
     )
     for step in (4, 5):
         log.record(_rec(step, 2.0))

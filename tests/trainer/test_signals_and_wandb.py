@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from llm_training.distributed import ParallelDims
-from llm_training.motif import get_flavor
+
 from llm_training.trainer import train
 from llm_training.trainer.checkpoint import complete_steps
 from llm_training.trainer.metrics import WANDB_RUN_ID_FILE, MetricsLogger, wandb_init_kwargs
@@ -157,8 +157,7 @@ def test_wandb_offline_logs_metrics_and_resumes_same_run(make_config, tmp_path, 
 
 def _logger(run_folder, run_id=None):
     return MetricsLogger(
-        get_flavor("motif3_debug"),
-        seq_len=32,
+        {"megatron": 1.0e6, "torchtitan": 1.0e6},
         total_steps=2,
         log_freq=1,
         run_folder=run_folder,
