@@ -113,3 +113,41 @@ def test_layers_never_use_torch_distributed():
             if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
                 offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
     assert not offenders, "model code must stay collective-free: " + ", ".join(offenders)
+
+
+def test_layers_import_nothing_from_distributed():
+    """Model math never reaches into the parallelism that is applied to it from outside."""
+    graph = import_graph()
+    offenders = {
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if module.startswith("llm_training.layers")
+        for target in targets
+        if target.startswith("llm_training.distributed")
+    }
+    assert not offenders, sorted(offenders)
+
+
+CONTEXT_PARALLEL = "llm_training.distributed.context_parallel"
+
+
+def test_context_parallel_code_lives_in_its_package_and_is_reached_through_it():
+    """Every context-parallel module is under distributed/context_parallel/, and code outside that package uses
+    the package's own interface (its __init__), never its algorithm modules (ring, ulysses, halo, ...)."""
+    stray = [
+        p.name
+        for p in (PACKAGE / "distributed").glob("*.py")
+        if any(word in p.stem for word in ("ring", "ulysses", "halo", "cp_", "context_parallel", "block_attention"))
+    ]
+    assert not stray, f"context-parallel modules outside {CONTEXT_PARALLEL}: {stray}"
+    graph = import_graph()
+    inside = {m for m in graph if m.startswith(CONTEXT_PARALLEL)}
+    assert {f"{CONTEXT_PARALLEL}.{m}" for m in ("ring", "ulysses", "halo", "sharding", "block_attention")} <= inside
+    reaching_in = {
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if not module.startswith(CONTEXT_PARALLEL)
+        for target in targets
+        if target.startswith(CONTEXT_PARALLEL + ".")
+    }
+    assert not reaching_in, sorted(reaching_in)

@@ -357,7 +357,7 @@ def sum_expert_grads(model: nn.Module, names: list[str], grad_mesh) -> None:
     EP-sharded expert parameters that FSDP2 does not reduce itself (the fp32 grouped-PolyNorm `act_fn`
     kept outside FSDP2 as `ignored_params`). Works on the local [L, ...] shards in one flat buffer; a
     no-op on a 1-rank mesh."""
-    from llm_training.distributed.dtensor_utils import local_tensor
+    from llm_training.dtensor_views import local_tensor
 
     if grad_mesh.size() == 1 or not names:
         return

@@ -50,7 +50,7 @@ class AttentionMetadata:
     max_seqlen: Optional[int] = None
     # backend "auto": whether this forward's device runs flash-attn-4 (decided here, eagerly, not in the layers)
     auto_picks_fa4: bool = False
-    # context parallel (distributed/block_attention.py): FlexAttention masks of (query block, key block) pairs,
+    # context parallel (distributed/context_parallel/block_attention.py): FlexAttention masks of (query block, key block) pairs,
     # built on first use within this forward and shared by its layers and the backward's recompute
     block_pair_masks: dict = field(default_factory=dict)
 

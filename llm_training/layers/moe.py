@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llm_training.distributed.dtensor_utils import local_tensor
+from llm_training.dtensor_views import local_tensor
 from llm_training.layers.ffn import FeedForward
 from llm_training.layers.norms import GroupedPolyNorm
 from llm_training.layers.projection import Fp32Projection
@@ -249,7 +249,7 @@ class MoE(nn.Module):
             if args.num_shared_experts > 0
             else None
         )
-        # Set by context parallelism (distributed/context_parallel.py) when each row is one shard of a longer
+        # Set by context parallelism (distributed/context_parallel/__init__.py) when each row is one shard of a longer
         # sequence: `.degree` shards per sequence and `.sum(x)` over them, for the sequence-wise balance loss.
         self.sequence_shards = None
         # Set by the long_context activation-checkpointing mode (distributed/activation_checkpoint.py): run the

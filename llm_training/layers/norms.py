@@ -11,7 +11,7 @@ from torch import nn
 
 from activation import fused_mul_poly_norm, grouped_poly_norm, rms_norm
 
-from llm_training.distributed.dtensor_utils import local_tensor
+from llm_training.dtensor_views import local_tensor
 
 
 class RMSNorm(nn.Module):

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from llm_training.config import grad_accumulation_steps, to_toml
 from llm_training.distributed.compile import compile_progress
+from llm_training.distributed.context_parallel import shard_batch
 from llm_training.distributed.utils import all_reduce_, clip_grad_norm_, rank, world_size
 from llm_training.model_spec import StepStat
 from llm_training.motif.spec import MOTIF3_SPEC
@@ -290,11 +291,13 @@ class Trainer:
         # Progress = optimizer steps taken so far / total (0 on the first step), from the LR scheduler's step
         # count: it is checkpointed, so a resumed run sees the same schedule as an uninterrupted one.
         self.hooks.begin_step(self.lr_scheduler.last_step / max(t.steps, 1))
-        full_batches = [prepare_batch(mb, self.num_mtp, self.spec.mtp_inputs) for mb in micro_batches]
         # Context parallelism: the cp ranks of a data rank read the same batch and each keeps its shard of every
         # [B, S] tensor; attention still needs the whole sequence's document ids.
-        cp = self.parallel.context_parallel
-        batches = full_batches if cp is None else [b.map(cp.shard) for b in full_batches]
+        local = [
+            shard_batch(self.parallel.context_parallel, prepare_batch(mb, self.num_mtp, self.spec.mtp_inputs))
+            for mb in micro_batches
+        ]
+        batches = [b for b, _ in local]
         # This rank's labelled tokens: the world SUM is the global batch's count (cp shards do not overlap).
         normalisers = sum(count_labelled_tokens(b.targets()) for b in batches)
         normalisers = all_reduce_(normalisers.to(self.device))
@@ -303,10 +306,11 @@ class Trainer:
         balance_scale = 1.0 / (len(batches) * self.dp_size)
         parts = torch.zeros(4, dtype=torch.float64, device=self.device)  # total, ce, mtp, balance
         stats: dict[str, StepStat] = {}
-        for k, (cpu_batch, full_batch) in enumerate(zip(batches, full_batches)):
+        for k, (cpu_batch, attention_docs) in enumerate(local):
             self.parallel.set_gradient_sync(last_micro_batch=k == len(batches) - 1)
             b: PreparedBatch = cpu_batch.map(lambda x: x.to(self.device, non_blocking=True))
-            attention_docs = None if cp is None else full_batch.document_ids.to(self.device, non_blocking=True)
+            if attention_docs is not None:
+                attention_docs = attention_docs.to(self.device, non_blocking=True)
             out = self.model(
                 b.input_ids,
                 b.position_ids,

@@ -236,42 +236,6 @@ def test_fa4_layouts_give_the_emulated_kernel_a_differentiable_case(emulated_fa4
         fa4.fa4_attention_lse(q, k, v, scale=0.3, window=2, metadata=meta, gqa_layout="nope")
 
 
-def test_fa4_with_documents_needs_the_metadata_cu_seqlens(emulated_fa4):
-    q = torch.randn(1, 6, 2, 8)
-    meta = AttentionMetadata(document_ids=_doc_ids(1, 6, [3]))
-    with pytest.raises(RuntimeError, match="needs the cu_seqlens"):
-        fa4.fa4_attention_lse(q, q, q, scale=0.3, window=None, metadata=meta)
-
-
-@pytest.mark.parametrize("queries,keys", [(range(8, 16), range(8, 16)), (range(16, 24), range(0, 8))])
-def test_fa4_block_attention_matches_the_reference_block_kernel(emulated_fa4, queries, keys):
-    """The ring's block pairs (diagonal: causal; key block before the query block: all visible): out, lse and
-    their gradients (the ring's recompute backward goes through both), and max_logits."""
-    from llm_training.distributed.block_attention import reference_block_attention
-
-    torch.manual_seed(2)
-    q = torch.randn(2, 8, 6, 12, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(2, 8, 2, 12, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(2, 8, 2, 8, dtype=torch.float64, requires_grad=True)
-    kw = {"scale": 0.3, "queries": queries, "keys": keys, "window": None, "document_ids": None}
-    results = []
-    for kernel in (fa4.fa4_block_attention, reference_block_attention):
-        out, lse, mx = kernel(q, k, v, **kw, record_max_logits=True)
-        grads = torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v))
-        results.append((out.double(), lse.double(), mx.double(), *grads))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-
-
-def test_fa4_block_attention_refuses_what_it_does_not_cover(emulated_fa4):
-    q = torch.randn(1, 4, 2, 8)
-    kw = {"scale": 0.3, "record_max_logits": False}
-    with pytest.raises(ValueError, match="without documents"):
-        fa4.fa4_block_attention(q, q, q, queries=range(4), keys=range(4), window=2, document_ids=None, **kw)
-    with pytest.raises(ValueError, match="neither equals nor precedes"):
-        fa4.fa4_block_attention(q, q, q, queries=range(4), keys=range(2, 6), window=None, document_ids=None, **kw)
-
-
 def test_motif3_model_on_the_fa4_backend_matches_the_reference_backend(emulated_fa4):
     """The whole model (sliding + full layers, packed documents, MTP, max logits) with attention_backend fa4
     through the emulated kernel: the metadata's cu_seqlens reach every layer and the outputs are the
@@ -371,24 +335,6 @@ def test_fa4_under_torch_compile():
     torch.testing.assert_close(compiled, eager)
     for a, b in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("queries,keys", [(range(512, 1024), range(512, 1024)), (range(1024, 1536), range(0, 512))])
-def test_fa4_block_attention_on_gpu(queries, keys):
-    from llm_training.distributed.block_attention import reference_block_attention
-
-    _require_fa4()
-    q, k, v = _gdla_like(1, 512, 10, 2)
-    kw = {"scale": 192**-0.5, "queries": queries, "keys": keys, "window": None, "document_ids": None}
-    results = []
-    for kernel in (fa4.fa4_block_attention, reference_block_attention):
-        out, lse, mx = kernel(q, k, v, **kw, record_max_logits=True)
-        grads = torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v))
-        results.append((out, lse, mx, *grads))
-    for a, b, tol in zip(*results, (2e-2, 2e-2, 5e-2, 5e-2, 5e-2, 5e-2)):
-        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
 
 
 def test_auto_picks_fa4_only_for_head_dims_its_backward_compiles(monkeypatch):

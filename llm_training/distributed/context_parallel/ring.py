@@ -12,14 +12,8 @@ recomputed with autograd and backpropagated with the upstream gradients of the m
 dL/do_b = w_b dO and dL/dlse_b = w_b (dO . (o_b - O)) where w_b = exp(lse_b - lse); dQ accumulates
 locally while dK/dV accumulators (fp32) travel around the ring with their K/V and arrive back at the owner
 after cp steps. Recompute instead of a fused block backward keeps one interface for any block kernel
-whose out and lse are differentiable (the fp32 reference; FlexAttention on CUDA; flash-attn-4's
-`layers/fa4_attention.fa4_block_attention`, whose lse takes a gradient in FA4's own backward, for the ring's
-two pair kinds without documents), at the price of one more block forward per pair.
-
-Which block kernel runs is context_parallel.py's choice (block_attention.block_attention_kernel: FlexAttention
-on CUDA today). Using fa4_block_attention for attention_backend fa4 / auto-on-SM90-SM100 without documents is a
-selection there, not a change here: the pairs this ring visits (the diagonal chunk pair and key chunks wholly
-before the query chunk) are exactly the two cases it covers.
+whose out and lse are differentiable (the fp32 reference; FlexAttention on CUDA), at the price of one more block
+forward per pair. Which block kernel runs is the package's choice (`block_attention.block_attention_kernel`).
 
 max_logits: the [Hq] max over this rank's queries (all keys); a MAX all-reduce over the cp ranks (the
 trainer reduces over the world) gives the full-sequence value.
@@ -33,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from llm_training.autograd_output import function_output
-from llm_training.distributed.block_attention import BlockKernel, merge_partials
-from llm_training.distributed.cp_sharding import SequenceLayout
+from llm_training.distributed.context_parallel.block_attention import BlockKernel, merge_partials
+from llm_training.distributed.context_parallel.sharding import SequenceLayout
 
 
 class _RingShift:

@@ -1,5 +1,7 @@
 """The one DTensor helper model code uses: read this rank's part of a parameter that a parallelizer may
-have turned into a DTensor (expert parallelism shards the expert stacks on dim 0)."""
+have turned into a DTensor (expert parallelism shards the expert stacks on dim 0). It lives outside both
+`layers/` (model math, which imports nothing of `distributed/`) and `distributed/` (which applies parallelism
+to the model), since both use it; it does no communication."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from llm_training.distributed.cp_sharding import SequenceLayout, cp_shard, cp_unshard
+from llm_training.distributed.context_parallel.sharding import SequenceLayout, cp_shard, cp_unshard
 
 
 def test_zigzag_rank_holds_chunk_c_and_its_mirror():
@@ -38,3 +38,22 @@ def test_shard_unshard_round_trip_on_every_per_token_tensor(kind, cp):
 def test_indivisible_sequence_is_rejected():
     with pytest.raises(ValueError, match="not divisible by the 8 chunks of the zigzag layout"):
         cp_shard(torch.zeros(1, 12), SequenceLayout("zigzag", 4), 0)
+
+
+def test_shard_batch_keeps_this_ranks_tokens_and_the_whole_document_ids():
+    from types import SimpleNamespace
+
+    from llm_training.distributed.context_parallel import ContextParallelSplit, shard_batch
+    from llm_training.motif.mtp import mtp_inputs
+    from llm_training.trainer.batch import prepare_batch
+
+    ids = torch.arange(16).view(2, 8)
+    raw = {"input_ids": ids, "labels": ids + 100, "position_ids": ids % 8, "document_ids": ids // 5}
+    batch = prepare_batch(raw, 1, mtp_inputs)
+    assert shard_batch(None, batch) == (batch, None)
+    split = ContextParallelSplit(SequenceLayout("zigzag", 2), 1, SimpleNamespace())
+    local, docs = shard_batch(split, batch)
+    assert torch.equal(docs, batch.document_ids)
+    want = cp_shard(ids, SequenceLayout("zigzag", 2), 1)
+    assert torch.equal(local.input_ids, want) and torch.equal(local.labels, want + 100)
+    assert torch.equal(local.mtp_input_ids[0], cp_shard(batch.mtp_input_ids[0], SequenceLayout("zigzag", 2), 1))

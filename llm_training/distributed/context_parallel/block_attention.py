@@ -8,7 +8,7 @@ and halo attention (context parallel) are assembled from.
 that of attention_backends (causal, optional window W, documents from the FULL-sequence document_ids
 [B, S]). GQA as there: query head h uses KV head h // (Hq / Hkv). A query row with no visible key gets
 out = 0 and lse = -inf. Both out and lse are differentiable: the ring's backward recomputes each block and
-backpropagates through both (see ring_attention.py).
+backpropagates through both (see ring.py).
 
 Kernels: `reference_block_attention` (explicit mask, fp32 math, any device: the tests' ground truth) and
 `flex_block_attention` (FlexAttention with `return_aux` lse / max_scores, CUDA; imported lazily; the CPU

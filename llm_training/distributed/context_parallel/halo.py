@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from llm_training.distributed.block_attention import BlockKernel
-from llm_training.distributed.cp_sharding import SequenceLayout
+from llm_training.distributed.context_parallel.block_attention import BlockKernel
+from llm_training.distributed.context_parallel.sharding import SequenceLayout
 
 
 def _exchange(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]], group) -> None:

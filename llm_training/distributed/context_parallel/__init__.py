@@ -5,7 +5,7 @@ Plan (`plan_context_parallel`):
 - mode "ulysses" with heads that allow it (KV heads and noise groups divisible by cp): every layer runs
   Ulysses (ulysses.py); tokens are split contiguously.
 - mode "ring", or "ulysses" when the heads do not allow it: full-attention layers run ring attention
-  (ring_attention.py), sliding-window layers exchange only a halo of W keys (halo_attention.py); tokens are
+  (ring.py), sliding-window layers exchange only a halo of W keys (halo.py); tokens are
   split zigzag (2 cp chunks) for causal load balance.
 
 `ContextParallelAttention` has the attention-kernel signature of layers/attention_backends.py, with one
@@ -27,11 +27,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from llm_training.distributed.block_attention import block_attention_kernel
-from llm_training.distributed.cp_sharding import SequenceLayout, cp_shard
-from llm_training.distributed.halo_attention import halo_attention
-from llm_training.distributed.ring_attention import ring_attention
-from llm_training.distributed.ulysses import ulysses_attention
+from llm_training.distributed.context_parallel.block_attention import block_attention_kernel
+from llm_training.distributed.context_parallel.sharding import SequenceLayout, cp_shard
+from llm_training.distributed.context_parallel.halo import halo_attention
+from llm_training.distributed.context_parallel.ring import ring_attention
+from llm_training.distributed.context_parallel.ulysses import ulysses_attention
 
 CP_MODES = ("ulysses", "ring")
 
@@ -170,6 +170,16 @@ class ContextParallelSplit:
 
     def shard(self, x_BS: torch.Tensor) -> torch.Tensor:
         return cp_shard(x_BS, self.layout, self.cp_rank)
+
+
+def shard_batch(split: Optional[ContextParallelSplit], batch):
+    """(this rank's part of `batch`, the document ids attention needs) for a batch with `.map(fn)` over its
+    [B, S] tensors and `.document_ids`: without context parallelism (`split` None) the batch itself and None;
+    with it, every [B, S] tensor's shard and the WHOLE sequences' document ids (the cp ranks attend across
+    shards)."""
+    if split is None:
+        return batch, None
+    return batch.map(split.shard), batch.document_ids
 
 
 def apply_context_parallel(

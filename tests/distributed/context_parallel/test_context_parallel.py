@@ -19,9 +19,9 @@ from llm_training.distributed.context_parallel import (
     check_context_parallel,
     plan_context_parallel,
 )
-from llm_training.distributed.block_attention import reference_block_attention
-from llm_training.distributed.cp_sharding import SequenceLayout, cp_shard
-from llm_training.distributed.ring_attention import ring_attention
+from llm_training.distributed.context_parallel.block_attention import reference_block_attention
+from llm_training.distributed.context_parallel.sharding import SequenceLayout, cp_shard
+from llm_training.distributed.context_parallel.ring import ring_attention
 from llm_training.layers.attention_backends import AttentionMetadata, reference_attention
 from llm_training.motif import get_flavor
 from llm_training.distributed.utils import destroy_process_group

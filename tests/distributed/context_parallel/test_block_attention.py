@@ -7,7 +7,11 @@ import math
 import pytest
 import torch
 
-from llm_training.distributed.block_attention import flex_block_attention, merge_partials, reference_block_attention
+from llm_training.distributed.context_parallel.block_attention import (
+    flex_block_attention,
+    merge_partials,
+    reference_block_attention,
+)
 from llm_training.layers.attention_backends import AttentionMetadata, reference_attention
 
 
