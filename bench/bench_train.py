@@ -3,7 +3,7 @@ grad clip, Muon + AdamW, QK-clip, expert-bias update) through the real Trainer, 
 mixed precision), on random token batches.
 
 Reports per configuration: median step time, tokens/s, TFLOP/s and MFU in both conventions of
-ARCHITECTURE.md §7 (megatron / torchtitan, dense bf16 peak of the GPU), peak memory. Before timing it checks
+docs/architecture.md §7 (megatron / torchtitan, dense bf16 peak of the GPU), peak memory. Before timing it checks
 the first step's CE against the untrained-model reference ln(V) (random init => near-uniform predictions).
 
     python bench/bench_train.py                                   # motif3_small and motif3_proxy defaults

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the GPU checks and benchmarks on a CUDA machine (the H200 test machine of ARCHITECTURE.md §4).
+# Runs the GPU checks and benchmarks on a CUDA machine (the H200 test machine of docs/architecture.md §4).
 # Usage: bash scripts/gpu_check.sh STAGE [STAGE ...]; logs and JSON go to ${OUT:-bench/results}.
 # Stages: env, tests (pytest -m gpu over every test folder), bench_activation, bench_model,
 #         bench_optimizer, bench_train.

@@ -1,12 +1,19 @@
-"""Structural rules of the package, checked on the source: the import graph of `llm_training` has no cycle, and
-no module under `llm_training/layers/` (model math) uses torch.distributed."""
+"""Structural rules of the package, checked on the source: the import graph of `llm_training` has no cycle, no
+module under `llm_training/layers/` (model math) uses torch.distributed, and the design the code cites lives in the
+repository: no tracked file points at a document outside it, and every `docs/model-spec.md §N` /
+`docs/architecture.md §N` citation names a section heading that exists."""
 
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "llm_training"
+REPO = PACKAGE.parent
 
 
 def _module_name(path: Path) -> str:
@@ -151,3 +158,86 @@ def test_context_parallel_code_lives_in_its_package_and_is_reached_through_it():
         if target.startswith(CONTEXT_PARALLEL + ".")
     }
     assert not reaching_in, sorted(reaching_in)
+
+
+# ---------------------------------------------------------------------- design documents live in the repo
+# Spelled in pieces so that this file does not match its own search.
+FOREIGN_DOC_REFERENCES = (
+    "shared/" + "design",  # the design folder outside the checkout
+    "ARCHITECTURE" + ".md",  # now docs/architecture.md
+    "performance" + "-notes",  # folded into docs/architecture.md §7
+    "model-spec" + " §",  # the old citation form: cite docs/model-spec.md §N
+)
+CITED_DOCS = ("docs/model-spec.md", "docs/architecture.md")
+_SECTION = r"§\d+(?:\.\d+)*"
+_SECTION_LIST = rf"{_SECTION}(?:\s*(?:,|/|and|or)\s*{_SECTION})*"
+_HEADING = re.compile(r"^#{1,6}\s+(\d+(?:\.\d+)*)\.?\s", re.MULTILINE)
+
+
+def tracked_text_files() -> dict[str, str]:
+    """path -> text of every file git tracks in this checkout (binary files skipped)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout (the citation checks read `git ls-files`)")
+    files = {}
+    for name in out.decode().split("\0"):
+        path = REPO / name
+        if not name or not path.is_file():
+            continue
+        try:
+            files[name] = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+    return files
+
+
+def section_numbers(markdown: str) -> set[str]:
+    """The numbers of the numbered headings of a markdown page: `## 4. Title` -> "4", `### 8.1 Title` -> "8.1"."""
+    return set(_HEADING.findall(markdown))
+
+
+def cited_sections(text: str, doc: str) -> list[str]:
+    """Every section number cited as `<doc> §N` in `text`, including lists such as `<doc> §6, §2.4` (a backtick
+    may close the path: `<doc>` §N)."""
+    found = []
+    for match in re.finditer(re.escape(doc) + rf"`?\s+({_SECTION_LIST})", text):
+        found.extend(re.findall(r"§(\d+(?:\.\d+)*)", match.group(1)))
+    return found
+
+
+def test_no_tracked_file_cites_a_document_outside_the_repo():
+    offenders = []
+    for name, text in sorted(tracked_text_files().items()):
+        for lineno, line in enumerate(text.splitlines(), 1):
+            offenders += [f"{name}:{lineno}: {ref!r}" for ref in FOREIGN_DOC_REFERENCES if ref in line]
+    assert not offenders, "cite the repo's docs/ instead: " + "; ".join(offenders)
+
+
+def test_every_cited_section_exists():
+    files = tracked_text_files()
+    missing = []
+    for doc in CITED_DOCS:
+        assert doc in files, f"{doc} is not tracked"
+        headings = section_numbers(files[doc])
+        assert headings, f"{doc} has no numbered section headings"
+        for name, text in sorted(files.items()):
+            missing += [f"{name}: {doc} §{n}" for n in cited_sections(text, doc) if n not in headings]
+    assert not missing, "citations of sections that do not exist: " + "; ".join(missing)
+
+
+def test_model_spec_keeps_every_section_number_the_code_relies_on():
+    """The spec's numbering is the citations' address space: its sections stay, in order."""
+    spec = (REPO / "docs" / "model-spec.md").read_text(encoding="utf-8")
+    numbers = _HEADING.findall(spec)
+    expected = ["0", "0.1", "0.2", "1", "1.1", "1.2", "1.3", "2", "2.1", "2.2", "2.3", "2.4", "3", "3.1", "3.2"]
+    expected += ["3.3", "3.4", "4", "4.1", "4.2", "5", "6", "7", "8", "8.1", "8.2", "8.3", "9", "10", "11", "12"]
+    assert numbers == expected
+
+
+def test_citation_parsing_on_planted_text():
+    page = "# Title\n## 0. Intro\n## 0.1 Config\n### 8.1 Update\n#### not numbered\n## 10. CP\n"
+    assert section_numbers(page) == {"0", "0.1", "8.1", "10"}
+    text = "see docs/model-spec.md §6, §2.4,\n    §4.2 and `docs/model-spec.md` §0.1. Also docs/model-spec.md §9."
+    assert cited_sections(text, "docs/model-spec.md") == ["6", "2.4", "4.2", "0.1", "9"]
+    assert cited_sections("docs/architecture.md §2 step 5", "docs/architecture.md") == ["2"]

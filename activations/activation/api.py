@@ -70,7 +70,7 @@ def _effective_poly_params(weight, bias, dtype, sigmoid_weight, bias_clamp):
     if sigmoid_weight:
         weight = torch.sigmoid(weight)
     if bias_clamp is not None:
-        bias = bias.clamp(-bias_clamp, bias_clamp)  # zero gradient outside the range, as model-spec §1.1 asks
+        bias = bias.clamp(-bias_clamp, bias_clamp)  # zero gradient outside the range, as docs/model-spec.md §1.1 asks
     return weight, bias
 
 

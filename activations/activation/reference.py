@@ -1,4 +1,4 @@
-"""PyTorch reference backend: custom autograd Functions with the analytic backward of model-spec §1.1.
+"""PyTorch reference backend: custom autograd Functions with the analytic backward of docs/model-spec.md §1.1.
 
 Every Function here works on 2-D row-major views (`x_ND`: N rows, D features), computes in fp32 and
 saves only the input(s) plus per-row fp32 inverse RMS values (`rstd_N` / `rstd_N3`); everything else is
@@ -146,7 +146,7 @@ class PolyNormFn(torch.autograd.Function):
             p = torch.where(valid_N1, p, 0.0)
         out = function_output(p, x_ND.dtype)
         if output_scale != 1.0:
-            out = out * output_scale  # after the down-cast (model-spec §1.1 "order matters")
+            out = out * output_scale  # after the down-cast (docs/model-spec.md §1.1 "order matters")
         ctx.save_for_backward(x_ND, up_ND, weight32_E3, bias32_E1, offs_E, rstd_N3)
         ctx.output_scale = output_scale
         return out

@@ -484,7 +484,7 @@ def _poly_bwd_kernel(
         t2 = tl.sum(acc2, axis=0)
         t3 = tl.sum(acc3, axis=0)
         t0 = tl.sum(acc_g, axis=0)
-    # d/dx [w x^p r_p] = w r_p p x^(p-1) g - w r_p^3 mean(g x^p) p x^(2p-1)   (model-spec §1.1), so
+    # d/dx [w x^p r_p] = w r_p p x^(p-1) g - w r_p^3 mean(g x^p) p x^(2p-1)   (docs/model-spec.md §1.1), so
     # dx = g (c1 + 2 c2 x + 3 c3 x^2) - (k1 x + 2 k2 x^3 + 3 k3 x^5) with k_p = c_p r_p^2 t_p / D
     k1 = c1 * r1 * r1 * t1 / D
     k2 = 2.0 * c2 * r2 * r2 * t2 / D

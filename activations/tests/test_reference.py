@@ -387,7 +387,7 @@ def _saved_for_backward_bytes(fn):
 
 @pytest.mark.parametrize("grouped", [False, True])
 def test_poly_norm_saves_only_inputs_and_row_stats(grouped):
-    """Selective recompute (model-spec §1.1 'needs saved: x (or recompute), r_1, r_2, r_3'): the fused PolyNorm
+    """Selective recompute (docs/model-spec.md §1.1 'needs saved: x (or recompute), r_1, r_2, r_3'): the fused PolyNorm
     keeps only its inputs x and up (bf16) and the per-row fp32 r_p [N, 3] for backward; x^2, x^3, the
     normalised terms and P(x) are recomputed there. Bound: x + up + r_p + 1 KiB for the tiny parameters."""
     N, D, E = 64, 32, 4

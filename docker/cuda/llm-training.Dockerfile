@@ -7,7 +7,7 @@
 #   docker build -f docker/cuda/llm-training.Dockerfile -t llm-training .
 # Check the result with `bash docker/smoke_test.sh <image>` (no GPU needed).
 #
-# Where each pin was checked (2026-12-01; "dependencies.md" is the project's design/dependencies.md,
+# Where each pin was checked (2026-12-01; "dependencies.md" is docs/dependencies.md,
 # measured on an H200 with torch 2.11.0+cu130):
 # - CUDA_IMAGE: the tag is used by public CUDA 13 Dockerfiles (code search); 13.0 matches torch's cu130
 #   wheels, which torch.utils.cpp_extension requires of nvcc when DeepEP / DeepGEMM are compiled. A devel

@@ -1,4 +1,4 @@
-"""Expert parallelism, applied from outside the model (ARCHITECTURE.md §5, model-spec §6).
+"""Expert parallelism, applied from outside the model (docs/architecture.md §5, docs/model-spec.md §6).
 
 The MoE layer stays collective-free: it routes, sorts its rows by expert and calls
 `moe.experts(x_rows_NH, tokens_per_expert_E)` with counts over ALL E experts. `apply_expert_parallel`

@@ -7,7 +7,7 @@ context-parallel rank c. The world mesh always has the three named dims ("dp_rep
 ranks FSDP2 shards the dense parameters over; cp ranks see different tokens of the same sequences, so
 they also hold different parameter shards, as in torchtitan).
 
-Expert parallelism is carved out of the dp_shard x cp ranks (ARCHITECTURE.md §5): the experts are split
+Expert parallelism is carved out of the dp_shard x cp ranks (docs/architecture.md §5): the experts are split
 over `ep` consecutive ranks of that group (`ep_rank` is the rank arithmetic) and FSDP-sharded over the
 remaining dp_shard*cp/ep ones. Its mesh `ep_mesh` (dims "dp_replicate", "dp_shard_mod_ep", "ep": the
 dp_shard x cp ranks in rank order, cut into groups of `ep` consecutive ones) is built with the world mesh,

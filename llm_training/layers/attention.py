@@ -1,4 +1,4 @@
-"""GDLA: Grouped Differential Latent Attention (model-spec §2.4, §0.1).
+"""GDLA: Grouped Differential Latent Attention (docs/model-spec.md §2.4, §0.1).
 
 MLA-style Q-LoRA / KV-LoRA with a decoupled RoPE key, GQA-shaped K/V, and a grouped differential
 combination: query heads come in groups of [r signal + 1 noise] (r = args.signal_per_noise); query head h

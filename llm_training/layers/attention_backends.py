@@ -85,7 +85,7 @@ def reference_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, reco
 def _fused_sdpa_only():
     """SDPA restricted to the fused CUDA kernels. torch's priority order is flash, efficient, math, cuDNN:
     flash/efficient have no kernel for qk 192 / v 128, so without this the math kernel (materialised
-    [S, S] scores) would win over cuDNN (dependencies.md). No `set_priority`, which torch.compile may
+    [S, S] scores) would win over cuDNN (docs/dependencies.md). No `set_priority`, which torch.compile may
     not trace; excluding MATH is enough for cuDNN to be picked."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

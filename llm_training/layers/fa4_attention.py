@@ -1,6 +1,6 @@
 """flash-attn-4 (`flash_attn.cute`, CuTe DSL kernels for SM90 / SM100) as an attention kernel of
 `attention_backends.py`, called directly (never through torch's `activate_flash_attention_impl("FA4")` shim,
-which breaks SDPA and varlen on torch 2.11 / 2.13: dependencies.md).
+which breaks SDPA and varlen on torch 2.11 / 2.13: docs/dependencies.md).
 
     fa4_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits)
         -> (out_BSHE, max_logits_H or None)

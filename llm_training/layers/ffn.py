@@ -1,7 +1,7 @@
-"""Dense PolyNorm MLP (model-spec §1.1): down( s * PolyNorm(clamp(gate x)) * clamp(up x) ).
+"""Dense PolyNorm MLP (docs/model-spec.md §1.1): down( s * PolyNorm(clamp(gate x)) * clamp(up x) ).
 
 Used by the first dense layers, the MoE shared expert and the MTP block. `hidden_clamp` bounds the
-gate/up pre-activations; as in Motif's vLLM (model-spec §0.2) only the shared expert passes one (1e6 for
+gate/up pre-activations; as in Motif's vLLM (docs/model-spec.md §0.2) only the shared expert passes one (1e6 for
 Motif-3, i.e. effectively off), the dense and MTP MLPs are not clamped. The PolyNorm bias is never clamped
 here (only the routed experts clamp it).
 """

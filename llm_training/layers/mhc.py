@@ -1,8 +1,8 @@
-"""mHC: manifold-constrained hyper-connections around one sub-layer (model-spec §4.2 with the §0.1
+"""mHC: manifold-constrained hyper-connections around one sub-layer (docs/model-spec.md §4.2 with the §0.1
 corrections).
 
 The residual is n streams, stored as one tensor X [B, S, n, H] in the compute dtype (bf16 under bf16
-training, as model-spec §4.2 "Numerics" says: only the math is fp32; an fp32 stream would double what a
+training, as docs/model-spec.md §4.2 "Numerics" says: only the math is fp32; an fp32 stream would double what a
 block keeps, 32 KiB -> 64 KiB per token at H 4096, n 4, i.e. 8 -> 16 GiB per layer at 256K tokens). Per token:
     x~     = RMSNorm_gamma(vec(X))                     (over all n*H values, eps = mhc_eps), fp32
     p, q, R = proj_pre(x~), proj_post(x~), proj_res(x~)   (bias-free; R viewed [n, n])

@@ -1,4 +1,4 @@
-"""Mixture of experts (model-spec §6, §0.1): token-choice router with an aux-loss-free expert bias,
+"""Mixture of experts (docs/model-spec.md §6, §0.1): token-choice router with an aux-loss-free expert bias,
 stacked routed experts run with `torch._grouped_mm` (per-expert loop fallback), one shared expert, an
 optional sequence-wise balance loss, and the expert-bias update rule.
 
@@ -164,7 +164,7 @@ def pad_token_groups(x_NH: torch.Tensor, counts_E: torch.Tensor, multiple: int):
 class GroupedExperts(nn.Module):
     """Routed experts stacked: gate_up_proj [E, 2I, H] (gate half first), down_proj [E, H, I], and a
     per-expert PolyNorm act_fn (weight [E, 3], bias [E, 1], bias clamped to +-polynorm_bias_clamp).
-    As in Motif's vLLM (model-spec §0.2), gate/up and the activation output are clamped to +-hidden_clamp."""
+    As in Motif's vLLM (docs/model-spec.md §0.2), gate/up and the activation output are clamped to +-hidden_clamp."""
 
     def __init__(self, args):
         super().__init__()

@@ -1,6 +1,6 @@
 """Normalisation modules (parameters only; the math is the `activation` package's, fp32 inside).
 
-RMSNorm: gain `weight [D]`. PolyNorm: raw weights `weight [3]` and `bias [1]`, kept fp32 (model-spec §1.1).
+RMSNorm: gain `weight [D]`. PolyNorm: raw weights `weight [3]` and `bias [1]`, kept fp32 (docs/model-spec.md §1.1).
 GroupedPolyNorm: per-expert `weight [E, 3]`, `bias [E, 1]` for the routed experts.
 """
 

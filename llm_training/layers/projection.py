@@ -7,7 +7,7 @@ would silently miss them or change their numerics. Each such weight lives in one
 with the same parameter name (`<module>.weight`), so checkpoints and optimizer rules are unaffected:
 
   * `Fp32Projection`: a bias-free projection with fp32 output and fp32-faithful math whatever the weight's or
-    input's dtype (router gate, GDLA lambda_proj, mHC proj_pre / proj_post / proj_res; model-spec §6, §2.4,
+    input's dtype (router gate, GDLA lambda_proj, mHC proj_pre / proj_post / proj_res; docs/model-spec.md §6, §2.4,
     §4.2).
   * `OutputHead`: the vocabulary projection; its weight is read directly by the fused/chunked loss.
 
@@ -16,7 +16,7 @@ that is bf16 is used as is (it is exact) and an fp32 operand is split into bf16 
 lo = bf16(t - hi): t to ~2^-17 relative); the products run on bf16 tensor cores with fp32 accumulation
 (`torch.mm(..., out_dtype=torch.float32)`, CUDA-only in torch 2.11/2.13) and the lo x lo term is dropped.
 
-Why this and not TF32 (model-spec §0.2 notes Motif's own router GEMM runs in TF32) or plain bf16: the spec's
+Why this and not TF32 (docs/model-spec.md §0.2 notes Motif's own router GEMM runs in TF32) or plain bf16: the spec's
 "fp32" (header: compute in float32, cast back at the stated point) is about the accumulation, the outputs
 and the fp32 weights. All our inputs are already bf16 activations (the router's and lambda_proj's normed
 hidden, mHC's bf16 stream), so they are exact in bf16; only the fp32 weight needs more bits, and hi + lo

@@ -1,4 +1,4 @@
-"""Rotary position embedding (RoPE) with optional YaRN frequency interpolation (model-spec §3.3, §5).
+"""Rotary position embedding (RoPE) with optional YaRN frequency interpolation (docs/model-spec.md §3.3, §5).
 
 Layout: interleaved pairs, i.e. dims (2j, 2j+1) of a rope slice rotate together by angle
 `pos * inv_freq[j]` (the layout of our training weights; the HF adapter permutes to half-split).

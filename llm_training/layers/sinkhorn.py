@@ -1,5 +1,5 @@
-"""mHC's Sinkhorn projection onto doubly stochastic matrices (model-spec §4.2): exp(clamp(Z, +-20)), then `iters` x
-{divide the rows by max(rowsum, 1e-8); the same for the columns}, in fp32 (or float64 for float64 input).
+"""mHC's Sinkhorn projection onto doubly stochastic matrices (docs/model-spec.md §4.2): exp(clamp(Z, +-20)), then
+`iters` x {divide the rows by max(rowsum, 1e-8); the same for the columns}, in fp32 (or float64 for float64 input).
 
 `sinkhorn(Z, iters)` runs, for fp32 CUDA tensors with triton installed, the fused kernels of
 `layers.sinkhorn_kernels` as the custom op `torch.ops.llm_training.sinkhorn` (opaque to torch.compile: a block's

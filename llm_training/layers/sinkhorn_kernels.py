@@ -1,4 +1,4 @@
-"""Triton kernels of mHC's Sinkhorn projection (model-spec §4.2), imported only where triton is.
+"""Triton kernels of mHC's Sinkhorn projection (docs/model-spec.md §4.2), imported only where triton is.
 
 One program normalises BLOCK tokens' n x n matrices in registers: forward m = exp(clamp(Z, +-20)), then `iters` x
 {rows / max(rowsum, 1e-8); columns / max(colsum, 1e-8)}. The backward keeps nothing but Z: it walks the

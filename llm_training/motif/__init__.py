@@ -1,6 +1,6 @@
 """The Motif-3 model family: flavor registry (name -> Motif3ModelArgs).
 
-Production flavors use the published Motif-3-Beta shape (model-spec §0.1); small flavors keep every
+Production flavors use the published Motif-3-Beta shape (docs/model-spec.md §0.1); small flavors keep every
 ratio and switch of it (GDLA groups of 4 signal + 1 noise heads with n_kv = n_noise, PolyNorm, sigmoid
 top-k + 1 shared expert, mHC n=4, SWA period 4, 2 dense first layers, 1 MTP module) and shrink widths,
 depth, expert count and vocabulary (§11).

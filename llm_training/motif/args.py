@@ -1,14 +1,14 @@
-"""Motif3ModelArgs: every architectural field of Motif-3 (model-spec §0.1), plus derived sizes,
+"""Motif3ModelArgs: every architectural field of Motif-3 (docs/model-spec.md §0.1), plus derived sizes,
 the layer-type rules, and parameter / FLOP counting from the args alone.
 
 Field names follow the published HF `config.json` of Motif-3-Beta where one exists, so
 `state_dict_adapter.args_from_hf_config` is a near-identity mapping.
 
 Choices made where the spec is open (each is a named field, so it can be changed from a flavor):
-  * `polynorm_init_weight` = 1/3 raw weight (spec §0.1 "PolyNorm initial raw weights are 1/3 each";
+  * `polynorm_init_weight` = 1/3 raw weight (docs/model-spec.md §0.1 "PolyNorm init": raw weights 1/3 each;
     the sigmoid is applied on top, so the effective start weight is sigmoid(1/3) ~= 0.583).
-  * `lambda_init` = "zeros": lambda_proj zero-initialised => lambda = 0.5 at start (spec §2.4 ASSUMPTION).
-  * `gate_init` = "zeros": wq_b_gate zero-initialised => output gate = 0.5 at start (spec §2.4).
+  * `lambda_init` = "zeros": lambda_proj zero-initialised => lambda = 0.5 at start (docs/model-spec.md §2.4 "Init").
+  * `gate_init` = "zeros": wq_b_gate zero-initialised => output gate = 0.5 at start (docs/model-spec.md §2.4).
   * `mhc_identity_init` = False (published), i.e. alpha ~ N(0, 0.1^2), Phi xavier-uniform, b_res ~ N(0, 0.1^2).
   * `mhc_h_post_alpha_start` = 0.0 by default: the h_post coefficient is `1 + alpha_sched` with the schedule
     ending at `mhc_h_post_alpha_end` = 0 (published). The start value is not published; 0 means the
@@ -17,7 +17,7 @@ Choices made where the spec is open (each is a named field, so it can be changed
   * sliding-layer rule `layer_idx % sliding_window_period != 0` (§0.1, the code-authoritative rule).
   * `polynorm_output_scale_per_layer`: {"layer index": scale} overrides of `polynorm_output_scale` for one
     layer's MLP / MoE (routed and shared experts); MTP module k is layer `num_hidden_layers + k` (as in
-    Motif's vLLM, model-spec §0.2). Empty by default (the published checkpoint sets none we know of).
+    Motif's vLLM, docs/model-spec.md §0.2). Empty by default (the published checkpoint sets none we know of).
   * `hidden_clamp` / `polynorm_bias_clamp` may be None (no clamp), as in Motif's config.json.
 """
 

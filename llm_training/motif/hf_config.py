@@ -1,4 +1,4 @@
-"""config.json <-> Motif3ModelArgs, with the meaning Motif's own vLLM port gives every field (model-spec §0.2).
+"""config.json <-> Motif3ModelArgs, with the meaning Motif's own vLLM port gives every field (docs/model-spec.md §0.2).
 
 The semantics are those of `MotifTechnologies/vllm` (commit 4cd9eb41): the config class
 `vllm/transformers_utils/configs/motif.py` (MotifConfig: a field missing from config.json takes its default

@@ -3,7 +3,7 @@
 Blocks (`layers.{i}`) are pre-norm: GDLA attention (sliding or full per `is_sliding_layer`) then a dense
 PolyNorm MLP or an MoE (per `is_moe_layer`); with mHC each sub-layer is wrapped by its own MHC module
 (`mhc_attn`, `mhc_ffn`), without it the residual is plain. MTP modules live in `mtp_layers.{k}`.
-Build on the meta device, materialise (`to_empty`), then `init_weights()` (CONTRACTS.md, model-spec §0.1).
+Build on the meta device, materialise (`to_empty`), then `init_weights()` (CONTRACTS.md, docs/model-spec.md §0.1).
 """
 
 from __future__ import annotations

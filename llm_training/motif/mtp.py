@@ -1,4 +1,4 @@
-"""Multi-token prediction module (model-spec §7 and the §0.1 "MTP wiring").
+"""Multi-token prediction module (docs/model-spec.md §7 and the §0.1 "MTP wiring").
 
 Module k (0-based) at position i predicts t_{i+k+2}:
     x = input_proj([h ; embed_norm(embed(t_{i+k+1}))])     h: final_norm(main hidden) for k = 0

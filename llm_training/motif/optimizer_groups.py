@@ -2,7 +2,7 @@
 without weight decay). The one source of that rule; the model spec hands it to the trainer's generic
 `build_optimizers`.
 
-Grouping (model-spec §8.1; the three `*_in_muon` flags flip their rule to Muon):
+Grouping (docs/model-spec.md §8.1; the three `*_in_muon` flags flip their rule to Muon):
   Muon:            self_attn.{wq_a, wq_b, wq_b_gate, wkv_a, wkv_b, wo}; dense and shared-expert
                    mlp {gate,up,down}_proj; routed experts gate_up_proj (3-D, gate/up halves orthogonalised
                    separately) and down_proj (3-D); MTP input_proj (MTP block matrices match the rules above)

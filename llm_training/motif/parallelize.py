@@ -13,7 +13,7 @@ Order (fixed; each step wraps what the previous ones produced, so it cannot be r
     5. FSDP2                      distributed.fsdp.apply_fsdp (expert modules over expert_grad_mesh, blocks, then
                                   the root), SUM gradient reduction
 
-Use (ARCHITECTURE.md §2 step 3; the model spec's `parallelize`):
+Use (docs/architecture.md §2 step 3; the model spec's `parallelize`):
     with torch.device("meta"): model = Motif3Model(args)
     parallel = parallelize_motif(model, parallel_dims, job_config, device)
     model.to_empty(device=device); model.init_weights(buffer_device=device)   # or load a checkpoint

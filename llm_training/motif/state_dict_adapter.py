@@ -1,4 +1,4 @@
-"""HuggingFace import/export for Motif-3 in the layout Motif's own vLLM port reads (model-spec §0.2):
+"""HuggingFace import/export for Motif-3 in the layout Motif's own vLLM port reads (docs/model-spec.md §0.2):
 config.json <-> Motif3ModelArgs (`hf_config`), our state-dict keys <-> HF safetensors keys, and the RoPE
 row permutation between our interleaved layout and HF's half-split one.
 

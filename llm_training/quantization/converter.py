@@ -8,7 +8,7 @@ Module kinds (`[quantize] convert`):
   * shared_expert   gate/up/down of the MoE's shared expert
 Never converted, whatever the config: the embedding, the output head and the router gate, GDLA lambda_proj
 and the mHC projections (not nn.Linear: `layers.projection`), the norms, the attention output gate wq_b_gate
-and the MTP input projection (model-spec §9 keeps them in bf16 / fp32).
+and the MTP input projection (docs/model-spec.md §9 keeps them in bf16 / fp32).
 
 Every selected module converts. On CUDA a linear whose dims miss the kernel's alignment runs on zero-padded
 operands (`RecipeKernels.linear`); routed experts whose hidden or intermediate size misses it are a config error

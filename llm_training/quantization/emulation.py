@@ -5,7 +5,7 @@ kernels are tested against (`tests/quantization/test_quantization_gpu.py`). A qu
 its low-precision encoding decodes to (the values a real kernel multiplies), so an emulated GEMM differs from
 the real one only by fp32 accumulation order.
 
-Scaling rules (model-spec §9; E4M3: max 448, 3 mantissa bits, so one element's relative rounding error is at
+Scaling rules (docs/model-spec.md §9; E4M3: max 448, 3 mantissa bits, so one element's relative rounding error is at
 most 2^-4):
   * rowwise   one scale per row along the GEMM's reduction dim: s = 448 / max(amax, 1e-12) rounded DOWN to a
               power of two (torchao float8 "rowwise", `round_scales_to_power_of_2`); q = sat_e4m3(x s) / s.

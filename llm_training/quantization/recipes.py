@@ -1,11 +1,11 @@
 """Which low-precision recipe runs where: the `[quantize] recipe` names, what GPU each needs, and `auto`.
 
   * mxfp8         MX FP8 (OCP MX v1.0): E4M3 elements, one E8M0 power-of-two scale per 32 consecutive elements
-                  of the GEMM's reduction dim (model-spec §9). Native tensor cores on Blackwell (SM100+) only.
+                  of the GEMM's reduction dim (docs/model-spec.md §9). Native tensor cores on Blackwell (SM100+) only.
   * fp8_rowwise   E4M3 with one power-of-two scale per row of each GEMM operand (along the reduction dim);
                   torchao float8 "rowwise" linears and FP8 rowwise grouped GEMMs (`torch._scaled_grouped_mm`), SM90+.
   * fp8_blockwise DeepSeek-V3 block FP8: activations and gradients in 1x128 tiles, weights in 128x128 blocks,
-                  fp32 scales (model-spec §9); torchao blockwise kernels (DeepGEMM for the experts when it is
+                  fp32 scales (docs/model-spec.md §9); torchao blockwise kernels (DeepGEMM for the experts when it is
                   importable), SM90+.
   * auto          mxfp8 on SM100+, fp8_rowwise on SM90, none on CPU and other GPUs.
   * none          the mixed-precision dtype, no conversion.

@@ -1,7 +1,7 @@
 """Training losses: memory-lean linear + cross-entropy over a large vocabulary, MTP target shifting,
 and the total step loss (CE + MTP + balance) with global-batch normalisation.
 
-Normalisation convention (ARCHITECTURE.md §2): every CE term is a SUM of per-token losses over the
+Normalisation convention (docs/architecture.md §2): every CE term is a SUM of per-token losses over the
 labelled tokens of one micro-batch divided by a normaliser that the trainer computes once per step:
 the number of labelled tokens in the whole global batch (all micro-batches, all data ranks). Summing
 the per-micro-batch losses over micro-batches and (through the gradient reduction, which the

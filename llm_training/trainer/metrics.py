@@ -5,7 +5,7 @@ metrics.jsonl is strict JSON, one object per line (`null` for a non-finite or mi
 record per logged step across resumes: a resumed run first drops the records of steps after the checkpoint
 it resumed from (written by the crashed run, now trained again). `lr` is the rate the step used.
 
-MFU is reported in both conventions of ARCHITECTURE.md §7 (`training_flops_per_token(args, seq_len,
+MFU is reported in both conventions of docs/architecture.md §7 (`training_flops_per_token(args, seq_len,
 "megatron"|"torchtitan")`) against the dense bf16 peak of the detected GPU; on CPU it is n/a.
 wandb settings come from the environment only (`wandb_init_kwargs`: WANDB_PROJECT, WANDB_TEAM, WANDB_RUN_NAME,
 WANDB_RUN_ID, WANDB_API_KEY, WANDB_MODE): never from the TOML; the key is never printed or written.

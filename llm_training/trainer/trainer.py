@@ -1,4 +1,4 @@
-"""The train loop (ARCHITECTURE.md §2 step 5): build model / data / optimizers, resume, then per step
+"""The train loop (docs/architecture.md §2 step 5): build model / data / optimizers, resume, then per step
 forward -> loss -> backward per micro-batch -> grad clip -> Muon/AdamW step -> QK-clip -> expert-bias
 update -> LR step -> metrics -> checkpoint (interval, SIGTERM/SIGINT, end).
 

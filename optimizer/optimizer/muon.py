@@ -1,4 +1,4 @@
-"""Muon optimizer (model-spec §8.1) for plain tensors and FSDP2 DTensor parameters (§8.2, §1.3).
+"""Muon optimizer (docs/model-spec.md §8.1) for plain tensors and FSDP2 DTensor parameters (§8.2, §1.3).
 
 Per matrix W [A, B] with gradient G (momentum mu, Nesterov):
 
@@ -9,7 +9,7 @@ A parameter is a 2-D matrix, or a 3-D stack [E, out, in] of E independent expert
 may set `row_split = s`: each matrix's rows are cut into `s` equal blocks that are orthogonalised (and
 scaled) separately — used for the fused expert `gate_up_proj` [E, 2I, H] (gate half, up half).
 
-One step, in launches (model-spec §8.1 arithmetic: momentum, norms, division and update in fp32; the NS
+One step, in launches (docs/model-spec.md §8.1 arithmetic: momentum, norms, division and update in fp32; the NS
 input stored and iterated in the NS dtype, bf16 on CUDA):
   1. Matrices are bucketed by their wide shape [min(r, c), max(r, c)] (r = rows / row_split) and lr: the same
      bucket takes `wq_a` of every layer, the gate and up halves of every expert stack, and `down_proj`

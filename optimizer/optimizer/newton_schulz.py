@@ -1,4 +1,4 @@
-"""Newton-Schulz orthogonalisation (model-spec §8.1): approximate U V^T of a (batch of) matrices.
+"""Newton-Schulz orthogonalisation (docs/model-spec.md §8.1): approximate U V^T of a (batch of) matrices.
 
     X = M / (||M||_F + eps);  transpose when rows > cols;
     repeat `steps` times:  P = X X^T;  X <- a X + (b P + c P^2) X;   transpose back.

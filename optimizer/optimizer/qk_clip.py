@@ -1,4 +1,4 @@
-r"""QK-clip (MuonClip, model-spec §8.3) for MLA-style attention with shared KV heads (GDLA).
+r"""QK-clip (MuonClip, docs/model-spec.md §8.3) for MLA-style attention with shared KV heads (GDLA).
 
 Weights (rows = output features):
     wq_b  [n_h * (d_nope + d_rope), q_lora]    per query head h: d_nope nope rows, then d_rope rope rows

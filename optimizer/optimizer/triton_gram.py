@@ -1,5 +1,5 @@
 """Triton kernel for the symmetric product G = alpha X X^T + beta C (C symmetric, optional) used by
-Newton-Schulz (model-spec §8.1): X X^T, and b P + c P P^T with the axpy fused into the epilogue.
+Newton-Schulz (docs/model-spec.md §8.1): X X^T, and b P + c P P^T with the axpy fused into the epilogue.
 
 X is [..., m, k] (m <= k after NS's transpose). G is symmetric, so only the upper-triangle blocks
 (block_row <= block_col) are computed — about half the FLOPs of a full matmul — and each off-diagonal block

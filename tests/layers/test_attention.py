@@ -97,7 +97,7 @@ def _small_args():
 
 
 def gdla_by_hand(attn: GDLAttention, x, pos, docs, rope_theta):
-    """Spec §2.4 written out: projections, interleaved RoPE via complex numbers, per-head loop attention,
+    """docs/model-spec.md §2.4 written out: projections, interleaved RoPE via complex numbers, per-head loop attention,
     group-wise signal - sigmoid(lambda) * noise, gate, wo. float64."""
     a = attn
     B, S, _ = x.shape

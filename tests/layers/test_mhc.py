@@ -131,8 +131,8 @@ def test_stream_collapse_and_mix_gradients_match_autograd():
 
 
 def _reference_sublayer_pair(mhc_a, mhc_f, x, sub_a, sub_f):
-    """The formula of model-spec §4.2 with plain autograd (the implementation this module replaced): fp32 norm of
-    vec(X), three projections, sigmoids, Sinkhorn, collapse, sub-layer, mix; twice (attention then FFN side)."""
+    """The formula of docs/model-spec.md §4.2 with plain autograd (the implementation this module replaced): fp32 norm
+    of vec(X), three projections, sigmoids, Sinkhorn, collapse, sub-layer, mix; twice (attention then FFN side)."""
 
     def coeffs(m, x):
         ct = torch.promote_types(x.dtype, torch.float32)

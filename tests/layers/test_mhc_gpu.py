@@ -113,7 +113,7 @@ def test_fused_mhc_bf16_stream_on_cuda_is_as_accurate_as_exact_fp32(compiled, mo
     Why that reference and not all-float64 math: the coefficient gradients, the alpha_* gains most, are a small
     remainder of large cancelling sums (Sinkhorn's gradient is nearly orthogonal to what the mix backward feeds it
     when the streams are alike), so the bf16 rounding of the mid-block stream, a property of the model's bf16
-    stream (model-spec §4.2), moves them by several % against float64, and which few % depends on which elements
+    stream (docs/model-spec.md §4.2), moves them by several % against float64, and which few % depends on which elements
     round which way. A run that rounds anything at another point draws another error there: compiled, inductor
     kept the bf16 product of the old stand-in sub-layer (u * w in bf16, then tanh) in fp32, and 1.alpha_res moved
     from 1.3e-2 to 6.3e-2 against float64 (5.0e-2 against this reference, where the exact run is 2.6e-5). With

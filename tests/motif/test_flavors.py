@@ -1,4 +1,4 @@
-"""Flavor registry: lookup errors and parameter counts against the hand arithmetic of model-spec §0.1."""
+"""Flavor registry: lookup errors and parameter counts against the hand arithmetic of docs/model-spec.md §0.1."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_unknown_flavor_lists_the_valid_ones():
 
 
 def _spec_hand_arithmetic() -> tuple[float, float]:
-    """Total and active parameters of motif3_seq as model-spec §0.1 adds them up (coarse, by hand)."""
+    """Total and active parameters of motif3_seq as docs/model-spec.md §0.1 adds them up (coarse, by hand)."""
     H, V, E, K, I_e, I = 4096, 220160, 384, 8, 1280, 12288
     expert = 3 * H * I_e  # gate, up, down
     moe_layers, dense_layers, layers = 51, 2, 53
@@ -58,7 +58,7 @@ def test_small_and_debug_sizes():
 
 
 def test_production_flavors_carry_every_published_value():
-    """model-spec §0.1's table, written out literally (plus the eps and init values stated there)."""
+    """docs/model-spec.md §0.1's table, written out literally (plus the eps and init values stated there)."""
     published = dict(
         num_hidden_layers=53, hidden_size=4096, intermediate_size=12288, n_dense_first_layers=2,
         interleave_moe_layer_step=1, num_experts=384, experts_top_k=8, num_shared_experts=1,

@@ -1,4 +1,4 @@
-"""Checkpoints in the layout Motif's own vLLM port serves (model-spec §0.2), checked against a float64
+"""Checkpoints in the layout Motif's own vLLM port serves (docs/model-spec.md §0.2), checked against a float64
 reference written from that code (`motif_vllm_reference.py`): (a) a checkpoint written in Motif's layout
 loads into our model with Motif's logits, (b) our export, read the way Motif's config code reads
 config.json, gives our logits. Tiny configs with sliding and full layers, YaRN on and off, mHC on and off,

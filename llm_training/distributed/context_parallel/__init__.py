@@ -1,5 +1,5 @@
 """Context parallelism for GDLA attention: which algorithm each layer uses, its validation, and the kernel
-wrapper the parallelizer installs on every attention layer (ARCHITECTURE.md §5, model-spec §10).
+wrapper the parallelizer installs on every attention layer (docs/architecture.md §5, docs/model-spec.md §10).
 
 Plan (`plan_context_parallel`):
 - mode "ulysses" with heads that allow it (KV heads and noise groups divisible by cp): every layer runs

@@ -5,7 +5,7 @@ that order along the sequence dim:
 
 - "contiguous" (Ulysses): cp chunks, rank c holds chunk c.
 - "zigzag" (ring attention): 2*cp chunks, rank c holds chunks c and 2*cp-1-c, so that under causal
-  attention every rank has the same amount of work (model-spec §10).
+  attention every rank has the same amount of work (docs/model-spec.md §10).
 
 `cp_shard` slices every per-token tensor of the batch (input_ids, labels, position_ids, document_ids, MTP
 inputs/targets: [B, S, ...]) identically; `cp_unshard` is its inverse (tests, gathering outputs).

@@ -1,4 +1,4 @@
-"""Ulysses context parallelism (DeepSpeed-Ulysses, model-spec §10): an all-to-all turns the
+"""Ulysses context parallelism (DeepSpeed-Ulysses, docs/model-spec.md §10): an all-to-all turns the
 sequence-sharded q/k/v [B, S/cp, H, D] into head-sharded [B, S, H/cp, D], any attention kernel runs on the
 full sequence for the local heads, and the reverse all-to-all brings the output back to [B, S/cp, Hq, Dv].
 
