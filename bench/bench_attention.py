@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from cuda_timing import cuda_time_ms
 
-from llm_training.layers.attention_backends import (
+from llm_training.layers.attention.backends import (
     AttentionMetadata,
     build_attention_metadata,
     get_attention_backend,
@@ -114,7 +114,7 @@ def make_kernel(name: str):
     if name == "flex_b64":
         return _flex_b64_kernel(), "reference"
     if name == "fa4_pad_v":
-        from llm_training.layers.fa4_attention import fa4_attention_lse
+        from llm_training.layers.attention.fa4 import fa4_attention_lse
 
         def kernel(q, k, v, *, scale, window, metadata, record_max_logits):
             return fa4_attention_lse(q, k, v, scale=scale, window=window, metadata=metadata, gqa_layout="pad_v")[

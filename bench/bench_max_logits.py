@@ -19,15 +19,15 @@ from pathlib import Path
 import torch
 from cuda_timing import cuda_time_ms
 
-from llm_training.layers.attention_masks import chunked_max_logits, document_starts
+from llm_training.layers.attention.masks import chunked_max_logits, document_starts
 
 TILINGS = [(64, 64, 4), (128, 64, 4), (128, 64, 8), (64, 128, 4), (128, 128, 8)]  # (block_m, block_n, warps)
 
 
 def _fa4_forward_ms(q, k, v, window, docs, repeats):
     """flash-attn-4's forward (the fa4 backend, no max-logit pass) at this shape, or None without flash-attn-4."""
-    from llm_training.layers.attention_backends import build_attention_metadata
-    from llm_training.layers.fa4_attention import fa4_attention, fa4_usable
+    from llm_training.layers.attention.backends import build_attention_metadata
+    from llm_training.layers.attention.fa4 import fa4_attention, fa4_usable
 
     if not fa4_usable(q.device):
         return None
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_max_logits needs a CUDA GPU", file=sys.stderr)
         return 1
-    from llm_training.layers.max_logits_kernels import max_logits
+    from llm_training.layers.attention.max_logits_kernels import max_logits
 
     B, S, Hq, Hkv, D, Dv = a.batch, a.seq, 80, 16, 192, 128
     torch.manual_seed(0)

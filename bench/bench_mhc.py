@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """GPU benchmark of mHC at the motif3_proxy width (H = 4096, n = 4, 20 Sinkhorn steps): the implementation
-before the fused rewrite (`legacy`, kept here only as the yardstick) against `llm_training.layers.mhc`
+before the fused rewrite (`legacy`, kept here only as the yardstick) against `llm_training.layers.mhc.hyper_connections`
 (`fused`), and the fp32-output projections (router gate) before/after.
 
 One case = one block's mHC work around two trivial sub-layers (y = u * w): attention-side coefficients,
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from cuda_timing import cuda_time_ms
 from torch.utils.checkpoint import checkpoint
 
-from llm_training.layers.mhc import MHC, StreamSource
-from llm_training.layers.sinkhorn import sinkhorn
+from llm_training.layers.mhc.hyper_connections import MHC, StreamSource
+from llm_training.layers.mhc.sinkhorn import sinkhorn
 from llm_training.layers.projection import Fp32Projection
 
 N_STREAMS, HIDDEN, SEQ = 4, 4096, 4096

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from cuda_timing import cuda_time_ms
 
-from llm_training.layers import mhc_kernels as K
+from llm_training.layers.mhc import kernels as K
 
 # collapse: (block_h, num_warps); on the H200 128 x 4 was the best of (128, 4), (256, 4), (512, 8), (256, 2)
 TOKEN_TILINGS = [(64, 2), (64, 4), (128, 2), (128, 4), (256, 2)]
@@ -36,7 +36,7 @@ def _rel(a, b):
 def function_rows(x, g, h, p, y, repeats: int) -> list[dict]:
     """Each mHC autograd Function, forward + backward under torch.compile, with [model] mhc_backward = tensor_ops
     (inductor's code for the backward) and = fused (these kernels), side by side: the step's real alternatives."""
-    from llm_training.layers import mhc
+    from llm_training.layers.mhc import hyper_connections as mhc
 
     x, g, h, p, y = (t.unsqueeze(0) for t in (x, g, h, p, y))  # [B = 1, S = T, ...]: the Functions' layout
     ops = {

@@ -20,7 +20,7 @@ import time
 import torch
 from cuda_timing import cuda_time_ms
 
-from llm_training.layers.attention_backends import build_attention_metadata, get_attention_backend
+from llm_training.layers.attention.backends import build_attention_metadata, get_attention_backend
 from llm_training.motif import get_flavor, training_flops_per_token
 from llm_training.motif.model import Motif3Model
 from llm_training.trainer.losses import linear_cross_entropy_sum

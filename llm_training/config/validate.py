@@ -234,7 +234,7 @@ def validate_environment(c: "JobConfig") -> None:
             "package; set mhc_backward = 'tensor_ops'",
         )
     if c.model.attention_backend == "fa4":
-        from llm_training.layers.fa4_attention import fa4_unavailable_reason
+        from llm_training.layers.attention.fa4 import fa4_unavailable_reason
 
         reason = fa4_unavailable_reason("cpu" if c.training.device == "cpu" else "cuda")
         if reason is not None:

@@ -24,13 +24,13 @@ I_s = I_e x num_shared_experts, I = intermediate_size):
   mHC, each sub-layer        the projections [p, q, R] (2n + n^2) f and the norm's rstd 1 f; h_pre, h_post,
                              H_res (2n + n^2) f; the collapsed input of the sub-layer's norm H b; the sub-layer's
                              output H b (the stream update keeps it). The mid-block stream (after the attention
-                             update) is not kept: the FFN side rebuilds it from the block input (layers/mhc.py)
+                             update) is not kept: the FFN side rebuilds it from the block input (layers/mhc/hyper_connections.py)
   attention (GDLA)           norm output H b; lambda_proj's fp32 input H f and lambda n_sig f; wq_a output and
                              c_q 2 q_lora b; wkv_a output (kv_lora + d_rope) b and kv_norm output kv_lora b; the
                              kernel's q n_h*d_qk, k n_k*d_qk, v n_k*d_v and output n_h*d_v b and its
                              log-sum-exp n_h f (what a fused kernel keeps; the CPU math fallback keeps the
                              S x S probabilities instead), n_k = n_h when d_qk != d_v (flash-attn-4, the GPU
-                             default, gets K/V expanded to the query heads: layers/fa4_attention.py; cuDNN and
+                             default, gets K/V expanded to the query heads: layers/attention/fa4.py; cuDNN and
                              FlexAttention keep n_kv heads, so there the estimate is high by that), else n_kv;
                              gate logits n_sig*d_v b;
                              wo input n_sig*d_v b

@@ -14,14 +14,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from llm_training.layers.attention import GDLAttention
-from llm_training.layers.attention_backends import AttentionMetadata, build_attention_metadata
+from llm_training.layers.attention.gdla import GDLAttention
+from llm_training.layers.attention.backends import AttentionMetadata, build_attention_metadata
 from llm_training.layers.ffn import FeedForward
-from llm_training.layers.mhc import MHC, StreamSource
+from llm_training.layers.mhc.hyper_connections import MHC, StreamSource
 from llm_training.layers.moe import MoE, RouterStats
 from llm_training.layers.norms import RMSNorm
 from llm_training.layers.projection import OutputHead
-from llm_training.layers.rope import RotaryEmbedding, build_rotary_embeddings
+from llm_training.layers.attention.rope import RotaryEmbedding, build_rotary_embeddings
 from llm_training.motif.args import Motif3ModelArgs, is_moe_layer, is_sliding_layer
 from llm_training.motif.mtp import MTPModule, mtp_inputs
 

@@ -17,11 +17,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from llm_training.layers.attention import GDLAttention
-from llm_training.layers.attention_backends import AttentionMetadata
+from llm_training.layers.attention.gdla import GDLAttention
+from llm_training.layers.attention.backends import AttentionMetadata
 from llm_training.layers.ffn import FeedForward
 from llm_training.layers.norms import RMSNorm
-from llm_training.layers.rope import RotaryEmbedding
+from llm_training.layers.attention.rope import RotaryEmbedding
 
 
 class MTPModule(nn.Module):

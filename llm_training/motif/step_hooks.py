@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from llm_training.layers.attention import GDLAttention
+from llm_training.layers.attention.gdla import GDLAttention
 from llm_training.layers.moe import update_expert_bias
 from llm_training.model_spec import StepStat
 from optimizer import QKClipStats, QKLayout, qk_clip_

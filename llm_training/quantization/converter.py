@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from llm_training.errors import ConfigError
-from llm_training.layers.attention import GDLAttention
+from llm_training.layers.attention.gdla import GDLAttention
 from llm_training.layers.ffn import FeedForward
 from llm_training.layers.moe import GroupedExperts, MoE
 from llm_training.quantization.kernels import DIM_MULTIPLE, RecipeKernels, fits_cuda_kernel

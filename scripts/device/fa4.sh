@@ -54,7 +54,7 @@ EOF
 case "$MODE" in
 check)
   # the pad_v layout's kernels are compiled and checked against the reference by the bench (check_backend)
-  step gpu_tests 200 python3 -m pytest -q -m gpu tests/layers/test_fa4_attention.py -k "not pad_v" -p no:cacheprovider
+  step gpu_tests 200 python3 -m pytest -q -m gpu tests/layers/attention/test_fa4_attention.py -k "not pad_v" -p no:cacheprovider
   tail -n 3 "$RES/gpu_tests.out" | sed 's/^/  /'
   grep -E "^(FAILED|ERROR)" "$RES/gpu_tests.out" | head -n 12 | sed 's/^/  /'
   step attention_smoke 30 python3 bench/bench_attention.py --seq-lens 4096 --tokens 8192 \

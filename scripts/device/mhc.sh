@@ -33,12 +33,12 @@ step() {  # step NAME TIMEOUT CMD...: run guarded, print PASS/FAIL with the tail
 
 case "$mode" in
   check)
-    step "gpu tests, eager (test_mhc_gpu.py)" 40 $PY -m pytest -q -p no:cacheprovider tests/layers/test_mhc_gpu.py \
+    step "gpu tests, eager (test_mhc_gpu.py)" 40 $PY -m pytest -q -p no:cacheprovider tests/layers/mhc/test_mhc_gpu.py \
       -m gpu -k "not True"
     step "gpu test, torch.compile of the fused mHC pair" 55 $PY -m pytest -q -p no:cacheprovider \
-      tests/layers/test_mhc_gpu.py -m gpu -k "True"
+      tests/layers/mhc/test_mhc_gpu.py -m gpu -k "True"
     step "gpu tests, the fused backward kernels (test_mhc_kernels.py)" 60 $PY -m pytest -q -p no:cacheprovider \
-      tests/layers/test_mhc_kernels.py -m gpu
+      tests/layers/mhc/test_mhc_kernels.py -m gpu
     step "bench smoke (4K tokens, eager)" 30 $PY bench/bench_mhc.py --tokens 4096 --compile-tokens "" --iters 2 \
       --out "$OUT/mhc_smoke.json"
     rm -f "$OUT/mhc_smoke.json"

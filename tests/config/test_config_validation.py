@@ -99,7 +99,7 @@ def test_choice_sets_are_the_registries():
     from llm_training.distributed.activation_checkpoint import AC_MODES
     from llm_training.distributed.context_parallel import CP_MODES
     from llm_training.distributed.expert_parallel import DISPATCHERS
-    from llm_training.layers.attention_backends import ATTENTION_BACKENDS
+    from llm_training.layers.attention.backends import ATTENTION_BACKENDS
     from llm_training.motif import MODEL_FLAVORS
     from llm_training.quantization import MODULE_KINDS, RECIPES
 

@@ -4,7 +4,7 @@ bf16 grouped-GEMM experts (padded token groups) vs the per-expert loop."""
 import pytest
 import torch
 
-from llm_training.layers.attention_backends import build_attention_metadata, get_attention_backend
+from llm_training.layers.attention.backends import build_attention_metadata, get_attention_backend
 from llm_training.layers.moe import MoE
 from llm_training.motif import get_flavor
 

@@ -123,7 +123,7 @@ def test_split_fp32_pair_runs_two_fp32_operands_on_the_split_path(emulated_tenso
     assert calls
 
 
-# The error bound of the split-bf16 product, per output element (used here and on CUDA by tests/layers/test_mhc_gpu.py).
+# The error bound of the split-bf16 product, per output element (used here and on CUDA by tests/layers/mhc/test_mhc_gpu.py).
 # Derivation, for c = sum_k a_k b_k with u = 2^-24 (fp32) and u16 = 2^-8 (bf16, 8 significant bits):
 #   * splitting an fp32 operand: hi = bf16(t), lo = bf16(t - hi), so |t - hi - lo| <= u16^2 |t| = 2^-16 |t|
 #     (tests/layers/test_projection.py::test_bf16_split_carries_16_mantissa_bits); with both operands split the
@@ -159,7 +159,7 @@ def check_split_bf16_error(
     a_dtype: str, b_dtype: str, out_dtype: str, device: str, shape_MKN: tuple, split_fp32_pair: bool = False
 ) -> None:
     """matmul_fp32 of random [M, K] x [K, N] operands in the given dtypes against float64: every element within
-    `split_bf16_error_bound` (also run on CUDA by tests/layers/test_mhc_gpu.py with the real tensor-core
+    `split_bf16_error_bound` (also run on CUDA by tests/layers/mhc/test_mhc_gpu.py with the real tensor-core
     kernels)."""
     torch.manual_seed(0)
     M, K, N = shape_MKN

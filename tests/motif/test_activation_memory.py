@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from llm_training.distributed.activation_checkpoint import LONG_CONTEXT_MOE_CHUNK_TOKENS
-from llm_training.layers.attention import GDLAttention
-from llm_training.layers.attention_backends import reference_attention
+from llm_training.layers.attention.gdla import GDLAttention
+from llm_training.layers.attention.backends import reference_attention
 from llm_training.motif import get_flavor
 from llm_training.motif.activation_memory import estimate_activation_memory, mtp_block_terms, trunk_block_terms
 from llm_training.motif.model import Motif3Model

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from llm_training.layers.attention import GDLAttention
+from llm_training.layers.attention.gdla import GDLAttention
 from llm_training.layers.moe import MoE
 from llm_training.motif import get_flavor, param_counts
 from llm_training.motif.args import is_moe_layer, is_sliding_layer
@@ -311,7 +311,7 @@ def test_forward_equals_spec_composition_by_hand():
 
 def test_mhc_backward_choice_reaches_every_mhc_module():
     """`[model] mhc_backward` (Motif3Model's mhc_backward) sets how every block's two MHC modules run backward."""
-    from llm_training.layers.mhc import MHC
+    from llm_training.layers.mhc.hyper_connections import MHC
 
     for choice, want in (("tensor_ops", {False}), ("fused", {True}), ("auto", {True})):
         with torch.device("meta"):

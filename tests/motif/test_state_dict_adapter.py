@@ -274,7 +274,7 @@ def test_hf_half_split_rope_on_exported_rows_equals_our_interleaved_rope():
     """HF rotates rope pairs (j, j + d/2) of its rows (NeoX `rotate_half`, written out here); we rotate
     (2j, 2j + 1) of ours. On the exported wq_b / wkv_a rows the HF rotation must give our rotated vectors
     permuted the same way (so every q_pe . k_pe logit is unchanged), and the nope rows must not move."""
-    from llm_training.layers.rope import apply_rope_interleaved, plain_inv_freq
+    from llm_training.layers.attention.rope import apply_rope_interleaved, plain_inv_freq
     from llm_training.motif.state_dict_adapter import to_hf_tensor
 
     a = ARGS

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llm_training.config import ConfigManager
-from llm_training.layers.mhc import MHC
+from llm_training.layers.mhc.hyper_connections import MHC
 from llm_training.motif import get_flavor
 from llm_training.motif.model import Motif3Model
 from llm_training.motif.step_hooks import MotifStepHooks, apply_qk_clip, attention_layers, expert_load_imbalance

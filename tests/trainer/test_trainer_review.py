@@ -7,7 +7,7 @@ import torch
 
 import llm_training.trainer.trainer as trainer_module
 from llm_training.distributed import ParallelDims
-from llm_training.layers.mhc import MHC
+from llm_training.layers.mhc.hyper_connections import MHC
 from llm_training.motif import get_flavor
 from llm_training.trainer import Trainer
 

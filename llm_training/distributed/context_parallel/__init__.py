@@ -8,7 +8,7 @@ Plan (`plan_context_parallel`):
   (ring.py), sliding-window layers exchange only a halo of W keys (halo.py); tokens are
   split zigzag (2 cp chunks) for causal load balance.
 
-`ContextParallelAttention` has the attention-kernel signature of layers/attention_backends.py, with one
+`ContextParallelAttention` has the attention-kernel signature of layers/attention/backends.py, with one
 difference: `metadata` (AttentionMetadata) is built for the FULL sequence ([B, S] document ids, identical on
 the cp ranks; Motif3Model.forward's `attention_document_ids`), while q/k/v are this rank's [B, S/cp, ...]
 tokens in `plan.layout` order. max_logits is this rank's partial [Hq] (-inf where it saw nothing); the MAX
@@ -187,7 +187,7 @@ def apply_context_parallel(
 ) -> ContextParallelSplit:
     """Wrap the kernel of every GDLA layer (trunk and MTP) of `model` for context parallelism, give every MoE
     the cp-group sum its sequence-wise balance loss needs, and return the batch split of this rank."""
-    from llm_training.layers.attention import GDLAttention
+    from llm_training.layers.attention.gdla import GDLAttention
     from llm_training.layers.moe import MoE
 
     shard_sum = SequenceShardSum(group, plan.cp)

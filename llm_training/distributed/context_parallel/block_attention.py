@@ -24,8 +24,8 @@ from typing import Callable, Optional
 
 import torch
 
-from llm_training.layers.attention_backends import flex_block_mask
-from llm_training.layers.attention_masks import visibility_mask
+from llm_training.layers.attention.backends import flex_block_mask
+from llm_training.layers.attention.masks import visibility_mask
 
 BlockKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
 

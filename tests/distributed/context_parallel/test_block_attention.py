@@ -12,7 +12,7 @@ from llm_training.distributed.context_parallel.block_attention import (
     merge_partials,
     reference_block_attention,
 )
-from llm_training.layers.attention_backends import AttentionMetadata, reference_attention
+from llm_training.layers.attention.backends import AttentionMetadata, reference_attention
 
 
 def _qkv(B=2, S=24, Hq=10, Hkv=2, D=6, E=4, dtype=torch.float32):

@@ -22,7 +22,7 @@ from llm_training.distributed.context_parallel import (
 from llm_training.distributed.context_parallel.block_attention import reference_block_attention
 from llm_training.distributed.context_parallel.sharding import SequenceLayout, cp_shard
 from llm_training.distributed.context_parallel.ring import ring_attention
-from llm_training.layers.attention_backends import AttentionMetadata, reference_attention
+from llm_training.layers.attention.backends import AttentionMetadata, reference_attention
 from llm_training.motif import get_flavor
 from llm_training.distributed.utils import destroy_process_group
 
@@ -102,8 +102,8 @@ class _TwoLayers(torch.nn.Module):
     """A full and a sliding GDLA layer of the debug flavor, reference kernel."""
 
     def __init__(self, args):
-        from llm_training.layers.attention import GDLAttention
-        from llm_training.layers.rope import build_rotary_embeddings
+        from llm_training.layers.attention.gdla import GDLAttention
+        from llm_training.layers.attention.rope import build_rotary_embeddings
 
         super().__init__()
         full_rope, sliding_rope = build_rotary_embeddings(args)

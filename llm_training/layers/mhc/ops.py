@@ -16,7 +16,7 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _kernels():
-    from llm_training.layers import mhc_kernels  # imports triton
+    from llm_training.layers.mhc import kernels as mhc_kernels  # imports triton
 
     return mhc_kernels
 

@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from llm_training.layers import fa4_attention as fa4
-from llm_training.layers.attention_backends import (
+from llm_training.layers.attention import fa4
+from llm_training.layers.attention.backends import (
     ATTENTION_BACKENDS,
     AttentionMetadata,
     build_attention_metadata,

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from llm_training.layers.rope import (
+from llm_training.layers.attention.rope import (
     RotaryEmbedding,
     apply_rope_interleaved,
     build_rotary_embeddings,

@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from llm_training.layers.mhc import MHC, StreamSource, _StreamNormProjection
-from llm_training.layers.sinkhorn import sinkhorn
-from llm_training.layers.rope import build_rotary_embeddings
+from llm_training.layers.mhc.hyper_connections import MHC, StreamSource, _StreamNormProjection
+from llm_training.layers.mhc.sinkhorn import sinkhorn
+from llm_training.layers.attention.rope import build_rotary_embeddings
 from llm_training.motif import get_flavor
 from llm_training.motif.activation_memory import PerToken, mhc_sublayer_terms
 from llm_training.motif.model import TransformerBlock
@@ -302,7 +302,7 @@ def test_tensor_core_path_emulated_is_as_accurate_as_the_cpu_path(monkeypatch):
 
 
 def test_projection_backward_in_token_chunks_equals_one_chunk(monkeypatch):
-    from llm_training.layers import mhc as mhc_module
+    from llm_training.layers.mhc import hyper_connections as mhc_module
 
     torch.manual_seed(0)
     n, H = 4, 8

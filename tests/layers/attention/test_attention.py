@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from llm_training.layers.attention import GDLAttention
-from llm_training.layers.attention_backends import ATTENTION_BACKENDS, build_attention_metadata, get_attention_backend
-from llm_training.layers.attention_masks import chunked_max_logits
-from llm_training.layers.rope import RotaryEmbedding, plain_inv_freq
+from llm_training.layers.attention.gdla import GDLAttention
+from llm_training.layers.attention.backends import ATTENTION_BACKENDS, build_attention_metadata, get_attention_backend
+from llm_training.layers.attention.masks import chunked_max_logits
+from llm_training.layers.attention.rope import RotaryEmbedding, plain_inv_freq
 from llm_training.motif import get_flavor
 
 
@@ -220,7 +220,7 @@ def test_checkpoint_recompute_does_not_record_max_logits_again():
 @pytest.mark.parametrize("with_gate", [True, False])
 def test_grouped_differential_gradients(with_gate):
     """The memory-saving combination Function: gradcheck in float64 and agreement with a direct formula."""
-    from llm_training.layers.attention import grouped_differential
+    from llm_training.layers.attention.gdla import grouped_differential
 
     torch.manual_seed(0)
     B, S, G, r, D = 2, 3, 2, 3, 4

@@ -1,11 +1,11 @@
-"""layers/sinkhorn.py: the fused Triton kernels (run by the Triton interpreter on the CPU, TRITON_INTERPRET=1, or
+"""layers/mhc/sinkhorn.py: the fused Triton kernels (run by the Triton interpreter on the CPU, TRITON_INTERPRET=1, or
 on CUDA) match the reference projection and its autograd gradient, including clamped logits and n = 3 (padded to
 the next power of two); the reference is what every CPU path runs."""
 
 import pytest
 import torch
 
-from llm_training.layers import sinkhorn as S
+from llm_training.layers.mhc import sinkhorn as S
 from tests.triton_kernels import HAS_TRITON, KERNEL_DEVICE, needs_triton_kernels
 
 

@@ -7,8 +7,8 @@ blocks; bf16 and fp32 inputs. On CUDA, or on the CPU under the Triton interprete
 import pytest
 import torch
 
-from llm_training.layers.attention_masks import attention_max_logits, document_starts
-from tests.layers.test_attention import loop_attention
+from llm_training.layers.attention.masks import attention_max_logits, document_starts
+from tests.layers.attention.test_attention import loop_attention
 from tests.triton_kernels import KERNEL_DEVICE, needs_triton_kernels
 
 
@@ -39,7 +39,7 @@ def _docs(B, S):
 
 def _run_kernel(q, k, scale, window, docs, **tiling):
     """The kernel on KERNEL_DEVICE (document starts derived as attention_masks does), its result on the CPU."""
-    from llm_training.layers.max_logits_kernels import max_logits
+    from llm_training.layers.attention.max_logits_kernels import max_logits
 
     dev = KERNEL_DEVICE
     docs = None if docs is None else docs.to(dev)
@@ -92,7 +92,7 @@ def test_default_tilings_and_transposed_inputs(window):
 def test_dispatch_on_cuda_compiles_and_matches_chunked_pass():
     """attention_max_logits on CUDA runs the kernel as a custom op: inside torch.compile (fullgraph) it gives the
     torch-ops side pass's value."""
-    from llm_training.layers.attention_masks import chunked_max_logits
+    from llm_training.layers.attention.masks import chunked_max_logits
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 256, 8, 192, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -111,7 +111,7 @@ def test_dispatch_on_cuda_compiles_and_matches_chunked_pass():
 def test_custom_op_computes_document_starts_and_matches_loop():
     """The custom op attention_max_logits dispatches to on CUDA (here called directly, so it also runs under the
     interpreter): it derives the document starts itself."""
-    from llm_training.layers.attention_masks import _max_logits_kernel_op
+    from llm_training.layers.attention.masks import _max_logits_kernel_op
 
     g = torch.Generator().manual_seed(7)
     q = torch.randn(2, 45, 4, 24, generator=g).to(torch.bfloat16)
@@ -128,7 +128,7 @@ def test_custom_op_computes_document_starts_and_matches_loop():
 def test_head_offsets_past_two_to_the_31():
     """Head-major views (head stride S x D) put the last heads past 2^31 elements at 256K tokens: the kernel's
     offsets are 64-bit. Built as strided views over a small buffer whose heads lie 1.1e9 elements apart."""
-    from llm_training.layers.max_logits_kernels import max_logits
+    from llm_training.layers.attention.max_logits_kernels import max_logits
 
     if KERNEL_DEVICE == "cuda":
         pytest.skip("the view spans ~4.4 GB of address space; the interpreter reads only the touched elements")

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from llm_training.autograd_output import function_output
-from llm_training.layers.attention_backends import AttentionMetadata, build_attention_metadata, get_attention_backend
+from llm_training.layers.attention.backends import AttentionMetadata, build_attention_metadata, get_attention_backend
 from llm_training.layers.norms import RMSNorm
 from llm_training.layers.projection import Fp32Projection
-from llm_training.layers.rope import RotaryEmbedding, apply_rope_interleaved
+from llm_training.layers.attention.rope import RotaryEmbedding, apply_rope_interleaved
 
 
 class GDLAttention(nn.Module):

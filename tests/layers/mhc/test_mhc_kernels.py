@@ -7,8 +7,9 @@ interpreter (tests/triton_kernels.py)."""
 import pytest
 import torch
 
-from llm_training.layers import mhc, mhc_ops
-from llm_training.layers.mhc import MHC, StreamSource
+from llm_training.layers.mhc import hyper_connections as mhc
+from llm_training.layers.mhc import ops as mhc_ops
+from llm_training.layers.mhc.hyper_connections import MHC, StreamSource
 from tests.triton_kernels import KERNEL_DEVICE, needs_triton_kernels
 
 pytestmark = [pytest.mark.gpu, needs_triton_kernels]
@@ -63,7 +64,7 @@ def test_mix_backward(n, H, from_source, block_h):
     if block_h is None:
         dx, dh, dp, dy = mhc_ops.mix_backward(g, xarg, h, p, y, *src)
     else:
-        from llm_training.layers import mhc_kernels  # imports triton
+        from llm_training.layers.mhc import kernels as mhc_kernels  # imports triton
 
         dx, dh, dp, dy = mhc_kernels.mix_backward(g, xarg, h, p, y, tuple(src), block_h=block_h, num_warps=4)
     assert dx.dtype == BF16 and dy.dtype == BF16 and dh.dtype == dp.dtype == torch.float32
@@ -122,7 +123,7 @@ def test_block_backward_with_kernels_matches_tensor_ops(compiled, monkeypatch):
     """Every gradient of the sub-layer pair agrees between the two paths (relative Frobenius error). Both round the
     same fp32 values to bf16 (interpreter: equal to ~1e-5), but their fp32 sums differ in order, so on CUDA a bf16
     gradient element can land one step apart; the scalar gains alpha_*, sums over every token with cancellation,
-    amplify that (their bf16 noise, tests/layers/test_mhc_gpu.py)."""
+    amplify that (their bf16 noise, tests/layers/mhc/test_mhc_gpu.py)."""
     want = _block_grads(False, monkeypatch)
     got = _block_grads(True, monkeypatch, compiled)
     assert want.keys() == got.keys()

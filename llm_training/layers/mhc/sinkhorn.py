@@ -27,7 +27,7 @@ def sinkhorn_reference(logits_NN: Tensor, iters: int) -> Tensor:
 
 
 def _kernels():
-    from llm_training.layers import sinkhorn_kernels  # imports triton
+    from llm_training.layers.mhc import sinkhorn_kernels  # imports triton
 
     return sinkhorn_kernels
 

@@ -2,7 +2,7 @@
 
 Used where `[model] mhc_backward` is "auto" (the default) or "fused" and the stream is on CUDA ("tensor_ops":
 inductor compiles the Functions' tensor ops instead).
-Status: correct (tests/layers/test_mhc_kernels.py and test_mhc_gpu.py pass on the H200 and in the Triton
+Status: correct (tests/layers/mhc/test_mhc_kernels.py and test_mhc_gpu.py pass on the H200 and in the Triton
 interpreter; bench/bench_mhc_kernels.py also checks the outputs against fp32 tensor ops). Measured on the H200
 (16K tokens, n 4, H 4096, each Function forward + backward compiled, tensor_ops vs fused in the same run): mix 3.76 ->
 2.88 ms (1.31x), collapse 1.55 -> 1.49 ms (1.04x), session 6. History of the mix kernel: the first version's
@@ -24,7 +24,7 @@ arXiv 2512.24880):
 One program per token; the stream width H is stepped through in BLOCK_H columns (any H: the last step is masked).
 The stream X is either given or rebuilt in registers from its source (X = mix(X0, H0, p0, y0), `StreamSource`),
 rounded to X's dtype as the forward stored it, so the mid-block stream never exists in memory in backward.
-Reductions over H and over n are fp32; their order differs from the torch path (tests/layers/test_mhc_kernels.py
+Reductions over H and over n are fp32; their order differs from the torch path (tests/layers/mhc/test_mhc_kernels.py
 holds both to fp32 rounding). H is a compile-time constant (one specialisation per model width, and the Triton
 interpreter's loops need constant bounds). The tilings (block_h, num_warps) are arguments; the defaults were the
 fastest of bench/bench_mhc_kernels.py's on the H200: mix 64 columns x 2 warps (summed over both stream modes; 128 x 4

@@ -46,10 +46,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from llm_training.autograd_output import function_output
-from llm_training.layers import mhc_ops, projection
+from llm_training.layers import projection
+from llm_training.layers.mhc import ops as mhc_ops
 from llm_training.layers.norms import RMSNorm
 from llm_training.layers.projection import Fp32Projection, matmul_fp32
-from llm_training.layers.sinkhorn import sinkhorn
+from llm_training.layers.mhc.sinkhorn import sinkhorn
 
 _SIGMOID_ARG_CLAMP = 10.0
 _BACKWARD_CHUNK = 1 << 26  # fp32 elements of the projection's dx computed at a time (256 MiB)
@@ -286,7 +287,7 @@ class _StreamNormProjection(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             # dx = draw W~ + (2 / D) dmean * X in fp32, rounded once to X's dtype (a bf16 GEMM output would add a
-            # rounding that a cancellation-prone coefficient gradient feels: tests/layers/test_mhc.py; on CUDA the
+            # rounding that a cancellation-prone coefficient gradient feels: tests/layers/mhc/test_mhc.py; on CUDA the
             # fp32 GEMM runs on tensor cores as split-bf16 pairs, not as fp32 FFMA), over
             # token chunks so the fp32 values are at most _BACKWARD_CHUNK elements at a time, not the n-wide
             # stream (a single chunk at the CPU demo's size). Compiled: one chunk; inductor keeps every chunk's GEMM

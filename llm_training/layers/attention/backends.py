@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from llm_training.layers.attention_masks import attention_max_logits, repeat_kv, visibility_mask
+from llm_training.layers.attention.masks import attention_max_logits, repeat_kv, visibility_mask
 
 AttentionKernel = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
@@ -189,7 +189,7 @@ def flex_attention_kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, re
 def _auto_picks_fa4(device: torch.device, head_dims: Optional[tuple[int, int]]) -> bool:
     """Whether backend auto runs flash-attn-4 on `device` for attention of (qk, v) `head_dims` (None: the caller
     did not say; the GDLA dims are assumed)."""
-    from llm_training.layers.fa4_attention import fa4_head_dims_problem, fa4_usable
+    from llm_training.layers.attention.fa4 import fa4_head_dims_problem, fa4_usable
 
     return fa4_usable(device) and (head_dims is None or fa4_head_dims_problem(*head_dims) is None)
 
@@ -214,7 +214,7 @@ def auto_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_ma
     kw = dict(scale=scale, window=window, metadata=metadata, record_max_logits=record_max_logits)
     if metadata.auto_picks_fa4:
         if q_BSHD.dtype in (torch.bfloat16, torch.float16):
-            from llm_training.layers.fa4_attention import fa4_attention
+            from llm_training.layers.attention.fa4 import fa4_attention
 
             return fa4_attention(q_BSHD, k_BSKD, v_BSKE, **kw)
         return sdpa_attention(q_BSHD, k_BSKD, v_BSKE, **kw)
@@ -224,8 +224,8 @@ def auto_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_ma
 
 
 def fa4_attention_kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits):
-    """flash-attn-4 (layers/fa4_attention.py, imported on first call)."""
-    from llm_training.layers.fa4_attention import fa4_attention
+    """flash-attn-4 (layers/attention/fa4.py, imported on first call)."""
+    from llm_training.layers.attention.fa4 import fa4_attention
 
     return fa4_attention(
         q_BSHD, k_BSKD, v_BSKE, scale=scale, window=window, metadata=metadata, record_max_logits=record_max_logits
@@ -288,7 +288,7 @@ def build_attention_metadata(
     }
     cu_seqlens = max_seqlen = None
     if rules.uses_varlen(has_documents, device):
-        from llm_training.layers.fa4_attention import document_cu_seqlens
+        from llm_training.layers.attention.fa4 import document_cu_seqlens
 
         cu_seqlens, max_seqlen = document_cu_seqlens(document_ids_BS), document_ids_BS.shape[1]
     return AttentionMetadata(

@@ -98,7 +98,7 @@ def chunked_max_logits(
 def _max_logits_kernel_op(
     q: torch.Tensor, k: torch.Tensor, document_ids: Optional[torch.Tensor], scale: float, window: Optional[int]
 ) -> torch.Tensor:
-    from llm_training.layers import max_logits_kernels  # imports triton
+    from llm_training.layers.attention import max_logits_kernels  # imports triton
 
     starts = None if document_ids is None else document_starts(document_ids)
     return max_logits_kernels.max_logits(

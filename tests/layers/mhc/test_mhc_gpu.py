@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llm_training.layers.mhc import MHC, StreamSource
+from llm_training.layers.mhc.hyper_connections import MHC, StreamSource
 from llm_training.layers.projection import Fp32Projection
 from tests.layers.test_projection import check_split_bf16_error
 
@@ -120,7 +120,8 @@ def test_fused_mhc_bf16_stream_on_cuda_is_as_accurate_as_exact_fp32(compiled, mo
     inductor keeping explicit casts (`emulate_precision_casts`) that became 1.5e-4, and 0.alpha_pre 6.6e-3 (H200,
     2026-12-04) from the product's rounding that remained; the stand-in sub-layer now rounds once
     (`_sublayer`). Against this reference what is left is each path's own fp32 arithmetic, which is bounded."""
-    from llm_training.layers import projection, sinkhorn
+    from llm_training.layers import projection
+    from llm_training.layers.mhc import sinkhorn
 
     n, H, B, S = 4, 1024, 2, 512
     fast, exact_fp32 = (_modules(n, H, "cuda", torch.float32) for _ in range(2))

@@ -208,7 +208,7 @@ def fa4_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max
     out, _ = fa4_attention_lse(q_BSHD, k_BSKD, v_BSKE, scale=scale, window=window, metadata=metadata)
     max_logits = None
     if record_max_logits:
-        from llm_training.layers.attention_masks import attention_max_logits
+        from llm_training.layers.attention.masks import attention_max_logits
 
         max_logits = attention_max_logits(
             q_BSHD, k_BSKD, scale=scale, window=window, document_ids=metadata.document_ids
