@@ -53,7 +53,7 @@ def job_config(flavor, seq_len, ac, device, backend, steps, dump, gpu_gib, cp=1,
     return ConfigManager().parse_args([
         "--job.config_file", str(PACKAGE_DIR / "motif" / "train_configs" / "debug_cpu.toml"),
         f"--job.dump_folder={dump}", f"--job.run_name=long_{flavor}_{seq_len}", f"--model.flavor={flavor}",
-        f"--model.attention_backend={backend}", f"--training.device={device}",
+        f"--kernels.attention={backend}", f"--training.device={device}",
         f"--training.mixed_precision_param={'bfloat16' if bf16 else 'float32'}", f"--training.seq_len={seq_len}",
         "--training.local_batch_size=1", f"--training.steps={steps}", "--checkpoint.enable=false",
         f"--activation_checkpoint.mode={ac}", "--metrics.save_jsonl=false", "--lr_scheduler.warmup_steps=1",

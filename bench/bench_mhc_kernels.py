@@ -2,7 +2,7 @@
 n 4, H 4096, bf16 stream): milliseconds per launch, the bytes each must move and the bandwidth that makes, and
 each output's relative error against the same gradient as fp32 tensor ops on the GPU, in a few tilings. Then the
 two autograd Functions that use them, forward + backward under torch.compile, once with inductor's code for the
-backward ([model] mhc_backward = "tensor_ops") and once with these kernels ("fused"), side by side in the same run.
+backward ([kernels] mhc_backward = "tensor_ops") and once with these kernels ("fused"), side by side in the same run.
 (H200, session 6: mix 3.76 -> 2.88 ms, collapse 1.55 -> 1.49 ms per Function call; the kernels 1.39 and 0.38 ms.
 Session 9: the mix kernel's current layout 1.08 / 1.40 ms with X given / rebuilt, against 1.38 / 2.14 ms for the
 pair-row layout it replaced: bench/results/bench_mhc_kernels_session9_layouts.json.)
@@ -34,7 +34,7 @@ def _rel(a, b):
 
 
 def function_rows(x, g, h, p, y, repeats: int) -> list[dict]:
-    """Each mHC autograd Function, forward + backward under torch.compile, with [model] mhc_backward = tensor_ops
+    """Each mHC autograd Function, forward + backward under torch.compile, with [kernels] mhc_backward = tensor_ops
     (inductor's code for the backward) and = fused (these kernels), side by side: the step's real alternatives."""
     from llm_training.layers.mhc import hyper_connections as mhc
 

@@ -231,7 +231,7 @@ def loss_curve(spec: str, tiny: bool, steps: int) -> dict:
         f"--training.seq_len={seq}", f"--training.local_batch_size={batch}", f"--training.steps={steps}",
         "--checkpoint.enable=false", "--metrics.save_jsonl=false", "--metrics.log_freq=1000",
         f"--lr_scheduler.warmup_steps={max(1, steps // 10)}", f"--quantize.recipe={recipe}", f"--training.seed={seed}",
-        f"--model.mhc_backward={CURVE_MHC_BACKWARD}",
+        f"--kernels.mhc_backward={CURVE_MHC_BACKWARD}",
     ])  # fmt: skip
     dims = ParallelDims(1, -1, 1, 1, 1)
     device, _ = setup_distributed(cfg.training.device, dims)

@@ -118,7 +118,7 @@ def build_trainer(
         f"--training.steps={steps}", "--checkpoint.enable=false",
         f"--activation_checkpoint.mode={ac}", f"--compile.enable={'true' if compile_ else 'false'}",
         "--metrics.save_jsonl=false", "--lr_scheduler.warmup_steps=1", f"--quantize.recipe={quantize}",
-        f"--model.mhc_backward={mhc_backward}", f"--parallelism.expert_parallel_degree={ep}",
+        f"--kernels.mhc_backward={mhc_backward}", f"--parallelism.expert_parallel_degree={ep}",
         f"--parallelism.context_parallel_degree={cp}",
     ]  # fmt: skip
     if optimizer is not None:

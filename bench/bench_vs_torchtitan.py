@@ -19,7 +19,7 @@ Groups (same tokens per optimizer step within a group; select with --cases, comm
 A case name (ours@compiled, torchtitan@accum, ...) selects one case. `--quantize fp8_rowwise,...` adds our two
 systems again under each low-precision recipe ([quantize] recipe; e.g. "ours_nomtp+adamw+fp8_rowwise@accum"),
 and the ratio table then also gives each one's speed-up over the same case in bf16; `--mhc-backward tensor_ops`
-likewise adds them with that [model] mhc_backward ("...+mhc_tensor_ops@accum"; the plain rows run the default,
+likewise adds them with that [kernels] mhc_backward ("...+mhc_tensor_ops@accum"; the plain rows run the default,
 auto: the fused mHC backward kernels on the GPU), with the plain row's ratio to it. `--warm-restart` runs each
 compiled case once more over the compile caches of its first run, as a restarted run with [compile] cache_folder
 starts: the table adds its first-step time. `--size tiny` runs every case at the tiny CPU shape (motif3_debug and its matched DeepSeek-V3)
@@ -90,7 +90,7 @@ class Case:
     warmup: int
     profile_steps: int = 0  # optimizer steps profiled after timing (CUDA): kernel time by cost group
     recipe: str = "none"  # our systems: the [quantize] recipe (torchtitan: always "none", bf16)
-    mhc_backward: str = "auto"  # our systems: [model] mhc_backward (auto = the default config)
+    mhc_backward: str = "auto"  # our systems: [kernels] mhc_backward (auto = the default config)
 
     @property
     def name(self) -> str:
@@ -133,7 +133,7 @@ def build_cases(
     """The cases named by `selection`: comma-separated groups ("eager", "compiled", "accum", "all") and/or case
     names as printed (e.g. "ours@compiled", "ours_nomtp+adamw@accum", "torchtitan@eager"). Order: group, then
     ours, ours_nomtp (per optimizer), each again under every one of `recipes` (low-precision [quantize] recipes)
-    and then in bf16 with every other [model] mhc_backward of `mhc_backwards`, then torchtitan. The accum group runs
+    and then in bf16 with every other [kernels] mhc_backward of `mhc_backwards`, then torchtitan. The accum group runs
     half the timed steps (each is 4x longer)."""
     every = []
     for group in GROUPS:
@@ -572,7 +572,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=480.0, help="seconds per case before it is killed (FAIL row)")
     p.add_argument("--quantize", default="", help="comma-separated [quantize] recipes (fp8_rowwise, mxfp8, ...): "
                    "our systems again under each, with their speed-up over bf16")  # fmt: skip
-    p.add_argument("--mhc-backward", default="", help="comma-separated [model] mhc_backward values (tensor_ops, fused): "
+    p.add_argument("--mhc-backward", default="", help="comma-separated [kernels] mhc_backward values (tensor_ops, fused): "
                    "our systems again with each, against the default auto (e.g. ours_nomtp+adamw+mhc_tensor_ops@accum)")  # fmt: skip
     p.add_argument("--nomtp-optimizers", default="adamw", help="optimizers of the ours_nomtp rows: adamw, muon or both")
     p.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps per case (CUDA): "

@@ -138,7 +138,7 @@ def _train(
         f"--model.flavor={FLAVOR}",
         # SDPA (math kernel with the document mask on this tiny model): "auto" would pick FlexAttention on CUDA,
         # whose torch.compile warm-up in each of the two runs would eat most of the time budget
-        "--model.attention_backend=sdpa",
+        "--kernels.attention=sdpa",
         f"--training.steps={steps}",
         f"--training.seq_len={seq_len}",
         "--lr_scheduler.warmup_steps=2",  # the toml's 20 would be the whole run

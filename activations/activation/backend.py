@@ -1,7 +1,8 @@
 """Backend choice: Triton kernels for CUDA tensors when triton imports, the PyTorch reference otherwise.
 
-The environment variable `ACTIVATION_BACKEND` overrides the choice on every call:
-`auto` (default) as above, `torch` always the reference, `triton` Triton or a clear error.
+`configure(backend)` sets the process's choice (llm_training's `[kernels] activations`); the environment variable
+`ACTIVATION_BACKEND`, when set, overrides it on every call: `auto` (default) as above, `torch` always the
+reference, `triton` Triton or a clear error.
 """
 
 from __future__ import annotations
@@ -18,9 +19,20 @@ BACKENDS = ("auto", "torch", "triton")
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
+_configured = "auto"
+
+
+def configure(backend: str) -> None:
+    """The backend every op uses from now on in this process (unless ACTIVATION_BACKEND is set)."""
+    global _configured
+    if backend not in BACKENDS:
+        raise ValueError(f"activation backend {backend!r} is not one of {BACKENDS}")
+    _configured = backend
+
+
 def requested_backend() -> str:
-    """The value of ACTIVATION_BACKEND (default `auto`), validated."""
-    value = os.environ.get("ACTIVATION_BACKEND", "auto").strip().lower() or "auto"
+    """ACTIVATION_BACKEND when set (validated), else the configured backend (default `auto`)."""
+    value = os.environ.get("ACTIVATION_BACKEND", "").strip().lower() or _configured
     if value not in BACKENDS:
         raise ValueError(f"ACTIVATION_BACKEND={value!r} is not one of {BACKENDS}; unset it or pick one of those")
     return value

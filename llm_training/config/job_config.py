@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from activation.backend import BACKENDS as ACTIVATION_BACKENDS
+from optimizer.newton_schulz import GRAM_BACKENDS
+
 from llm_training.distributed.activation_checkpoint import AC_MODES
 from llm_training.distributed.context_parallel import CP_MODES
 from llm_training.distributed.expert_parallel import DISPATCHERS
@@ -69,9 +72,17 @@ class Model:
         "motif3_debug", "model flavor from llm_training.motif.MODEL_FLAVORS", choices=tuple(MODEL_FLAVORS)
     )
     tokenizer_path: str = option(str(ASSETS_DIR / "tokenizer"), "local HuggingFace tokenizer directory")
-    attention_backend: str = option(
+
+
+@dataclass
+class Kernels:
+    """Which kernel runs each op family: the one place they are chosen. The environment variables
+    ACTIVATION_BACKEND and MUON_GRAM_BACKEND, when set, override `activations` and `muon_gram` (for a quick A/B)."""
+
+    attention: str = option(
         "auto",
-        "attention kernel: auto picks the fastest available for the device",
+        "attention kernel: auto picks the fastest available for the device and head dims (flash-attn-4 on SM90 / "
+        "SM100 when installed, else FlexAttention or SDPA)",
         choices=tuple(ATTENTION_BACKENDS),
     )
     mhc_backward: str = option(
@@ -80,6 +91,17 @@ class Model:
         "and triton), tensor_ops (inductor compiles the tensor ops), or auto (fused where the stream is on CUDA and "
         "triton is installed, else tensor_ops)",
         choices=("auto", "fused", "tensor_ops"),
+    )
+    activations: str = option(
+        "auto",
+        "PolyNorm / RMSNorm kernels (the activation package): auto (Triton on CUDA when triton is installed, else "
+        "PyTorch), torch, triton",
+        choices=ACTIVATION_BACKENDS,
+    )
+    muon_gram: str = option(
+        "torch",
+        "Muon's Newton-Schulz X X^T products: torch (bmm) or triton (symmetric Gram kernel; CUDA)",
+        choices=GRAM_BACKENDS,
     )
 
 
@@ -284,6 +306,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    kernels: Kernels = field(default_factory=Kernels)
     quantize: Quantize = field(default_factory=Quantize)
     metrics: Metrics = field(default_factory=Metrics)
 
@@ -291,6 +314,13 @@ class JobConfig:
     def run_folder(self) -> Path:
         """<dump_folder>/<run_name>: where the resolved config, metrics and checkpoints of this run go."""
         return Path(self.job.dump_folder) / self.job.run_name
+
+
+# Keys that moved to another section: (old section, old key) -> (new section, new key), for the error message.
+MOVED_KEYS = {
+    ("model", "attention_backend"): ("kernels", "attention"),
+    ("model", "mhc_backward"): ("kernels", "mhc_backward"),
+}
 
 
 def section_classes() -> dict[str, type]:

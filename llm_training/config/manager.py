@@ -20,7 +20,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from llm_training.config.job_config import PACKAGE_DIR, JobConfig, section_classes
+from llm_training.config.job_config import MOVED_KEYS, PACKAGE_DIR, JobConfig, section_classes
 from llm_training.config.validate import validate_config
 from llm_training.errors import ConfigError
 
@@ -242,6 +242,12 @@ class ConfigManager:
         if section not in self.sections:
             raise ConfigError(f"unknown section [{section}] in {origin}; {_did_you_mean(section, list(self.sections))}")
         hints = _field_types(self.sections[section])
+        if (section, key) in MOVED_KEYS:
+            new_section, new_key = MOVED_KEYS[(section, key)]
+            raise ConfigError(
+                f"[{section}] {key} ({origin}) moved to [{new_section}] {new_key}: write it there "
+                f"(--{new_section}.{new_key}=... on the command line)"
+            )
         if key not in hints:
             raise ConfigError(
                 f"unknown key '{key}' in section [{section}] ({origin}); {_did_you_mean(key, list(hints))}"

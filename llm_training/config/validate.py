@@ -210,8 +210,8 @@ OPTIONAL_METRICS_PACKAGES = (("enable_tensorboard", "tensorboard", "tensorboard"
 def validate_environment(c: "JobConfig") -> None:
     """Checks of the files and packages the config needs, so that they fail as config errors (exit 2) at start-up:
     the tokenizer directory (loads, has a chat template, eos and pad tokens), the data set (exists, has a record,
-    the split and conversations column exist), CUDA and triton for mhc_backward = 'fused', flash-attn-4 for
-    attention_backend = 'fa4' and the packages of the enabled metrics sinks."""
+    the split and conversations column exist), CUDA and triton for the [kernels] that run Triton, flash-attn-4
+    for attention = 'fa4' and the packages of the enabled metrics sinks."""
     from llm_training.data import build_tokenizer, check_dataset  # imported here: transformers is slow to import
 
     hf = c.huggingface_dataset
@@ -223,22 +223,33 @@ def validate_environment(c: "JobConfig") -> None:
             check()
         except (OSError, ValueError, KeyError, ImportError) as e:
             raise ConfigError(str(e.args[0]) if isinstance(e, KeyError) else str(e)) from None
-    if c.model.mhc_backward == "fused":
+    if c.kernels.mhc_backward == "fused":
         import torch
         from activation.backend import TRITON_AVAILABLE
 
         on_cuda = c.training.device == "cuda" or (c.training.device == "auto" and torch.cuda.is_available())
         _require(
             on_cuda and TRITON_AVAILABLE,
-            "[model] mhc_backward = 'fused' runs Triton kernels on CUDA: it needs a CUDA device and the triton "
+            "[kernels] mhc_backward = 'fused' runs Triton kernels on CUDA: it needs a CUDA device and the triton "
             "package; set mhc_backward = 'tensor_ops'",
         )
-    if c.model.attention_backend == "fa4":
+    for key in ("activations", "muon_gram"):
+        if getattr(c.kernels, key) == "triton":
+            import torch
+            from activation.backend import TRITON_AVAILABLE
+
+            on_cuda = c.training.device == "cuda" or (c.training.device == "auto" and torch.cuda.is_available())
+            _require(
+                on_cuda and TRITON_AVAILABLE,
+                f"[kernels] {key} = 'triton' runs Triton kernels on CUDA: it needs a CUDA device and the triton "
+                f"package; set {key} = '{'auto' if key == 'activations' else 'torch'}'",
+            )
+    if c.kernels.attention == "fa4":
         from llm_training.layers.attention.fa4 import fa4_unavailable_reason
 
         reason = fa4_unavailable_reason("cpu" if c.training.device == "cpu" else "cuda")
         if reason is not None:
-            raise ConfigError(f"[model] attention_backend = 'fa4': {reason}; set attention_backend = 'auto'")
+            raise ConfigError(f"[kernels] attention = 'fa4': {reason}; set attention = 'auto'")
     for flag, package, pip_name in OPTIONAL_METRICS_PACKAGES:
         if getattr(c.metrics, flag) and importlib.util.find_spec(package) is None:
             raise ConfigError(

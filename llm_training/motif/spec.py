@@ -20,8 +20,8 @@ from llm_training.motif.step_hooks import MotifStepHooks
 def build_motif3(model_args, job_config) -> Motif3Model:
     """A Motif3Model for `model_args` with the configured attention backend and mHC backward, on the current default device
     (meta for the sharded build; parameters are initialised later by `init_weights`)."""
-    m = job_config.model
-    return Motif3Model(model_args, attention_backend=m.attention_backend, mhc_backward=m.mhc_backward)
+    k = job_config.kernels
+    return Motif3Model(model_args, attention_backend=k.attention, mhc_backward=k.mhc_backward)
 
 
 MOTIF3_SPEC = ModelSpec(

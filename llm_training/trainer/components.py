@@ -1,6 +1,8 @@
 """`build_components`: the one way a job's model and optimizers are set up, used by the Trainer and the dry run.
 
 Steps, through the model family's spec (`llm_training.model_spec.ModelSpec`), in this order:
+  0. the `[kernels]` choices of the activation and optimizer packages, process-wide (attention and the mHC backward
+     are the model's own arguments, passed by `spec.build_model`);
   1. the flavor's model args; the model built on the meta device (or, with `init_weights` on a CPU device, built
      on the device and initialised first: below);
   2. low-precision conversion (`quantization.apply_converters`): before parallelization, which wraps what it made;
@@ -43,9 +45,15 @@ def build_components(
     """Model args, model, converters, parallelization and optimizers of `job_config` on `device` (module
     docstring); the process group and `parallel_dims`' mesh must exist. `init_weights=False`: the model stays on
     the meta device (the dry run)."""
+    from activation.backend import configure as configure_activation_kernels
+    from optimizer.newton_schulz import set_gram_backend
+
     from llm_training.quantization import apply_converters
     from llm_training.trainer.optim import build_optimizers
 
+    k = job_config.kernels  # the process-wide kernel choices (attention and mHC are the model's, below)
+    configure_activation_kernels(k.activations)
+    set_gram_backend(k.muon_gram)
     seed = job_config.training.seed
     model_args = spec.get_flavor(job_config.model.flavor)
     init_full_first = init_weights and device.type == "cpu"

@@ -13,7 +13,8 @@ in roughly [0.7, 1.2] instead of exactly 1, which is what Muon wants (speed over
 
 The two symmetric products (X X^T, and b P + c P P^T = b P + c P^2 with the axpy fused in the epilogue) go
 through `gram()`, which uses `bmm` / `baddbmm` by default and the Triton kernel in `triton_gram.py` for CUDA
-tensors when `MUON_GRAM_BACKEND=triton` (measured on an H200, bench/bench_optimizer.py: the Triton kernel
+tensors when the backend is `triton` (`set_gram_backend`, llm_training's `[kernels] muon_gram`; the environment
+variable `MUON_GRAM_BACKEND`, when set, overrides it) (measured on an H200, bench/bench_optimizer.py: the Triton kernel
 is about 2x slower than cuBLAS at the motif3_small attention/MLP shapes and on par for the batched expert
 stacks, so it is opt-in until it wins); the last product
 `a X + poly X` is one `baddbmm`.
@@ -34,9 +35,21 @@ def default_ns_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+GRAM_BACKENDS = ("torch", "triton")
+_gram_backend = "torch"
+
+
+def set_gram_backend(backend: str) -> None:
+    """The Gram-product backend of this process from now on (unless MUON_GRAM_BACKEND is set)."""
+    global _gram_backend
+    if backend not in GRAM_BACKENDS:
+        raise ValueError(f"Muon Gram backend {backend!r} is not one of {GRAM_BACKENDS}")
+    _gram_backend = backend
+
+
 def _use_triton(x: torch.Tensor) -> bool:
-    backend = os.environ.get("MUON_GRAM_BACKEND", "torch")
-    if backend not in ("torch", "triton"):
+    backend = os.environ.get("MUON_GRAM_BACKEND", "") or _gram_backend
+    if backend not in GRAM_BACKENDS:
         raise ValueError(f"MUON_GRAM_BACKEND={backend!r}; use 'torch' (default) or 'triton'")
     if x.device.type != "cuda" or backend == "torch":
         return False

@@ -95,7 +95,10 @@ def test_out_of_range_values_name_the_key(arg, key):
 def test_choice_sets_are_the_registries():
     """The config accepts exactly what is implemented: flavors, attention backends, quantization recipes and
     activation-checkpoint modes come from the registries that implement them."""
-    from llm_training.config.job_config import ActivationCheckpoint, Model, Parallelism, Quantize
+    from activation.backend import BACKENDS as ACTIVATION_BACKENDS
+    from optimizer.newton_schulz import GRAM_BACKENDS
+
+    from llm_training.config.job_config import ActivationCheckpoint, Kernels, Model, Parallelism, Quantize
     from llm_training.distributed.activation_checkpoint import AC_MODES
     from llm_training.distributed.context_parallel import CP_MODES
     from llm_training.distributed.expert_parallel import DISPATCHERS
@@ -106,14 +109,15 @@ def test_choice_sets_are_the_registries():
     def choices(cls, name):
         return next(f.metadata["choices"] for f in dataclasses.fields(cls) if f.name == name)
 
-    assert choices(Model, "attention_backend") == tuple(ATTENTION_BACKENDS)
+    assert choices(Kernels, "attention") == tuple(ATTENTION_BACKENDS)
+    assert choices(Kernels, "activations") == ACTIVATION_BACKENDS and choices(Kernels, "muon_gram") == GRAM_BACKENDS
     assert choices(Model, "flavor") == tuple(MODEL_FLAVORS)
     assert choices(Quantize, "recipe") == RECIPES
     assert choices(Quantize, "convert") == MODULE_KINDS
     assert choices(ActivationCheckpoint, "mode") == AC_MODES
     assert choices(Parallelism, "expert_parallel_dispatcher") == tuple(DISPATCHERS)
     assert choices(Parallelism, "context_parallel_mode") == CP_MODES
-    for bad in ("--model.attention_backend=varlen", "--quantize.recipe=fp8"):
+    for bad in ("--kernels.attention=varlen", "--quantize.recipe=fp8"):
         with pytest.raises(ConfigError) as e:
             parse(bad)
         key, value = bad[2:].split("=")
@@ -206,3 +210,36 @@ def test_docs_config_md_is_up_to_date():
     assert (root / "docs" / "config.md").read_text() == module.render(), (
         "docs/config.md is stale: run `python scripts/gen_config_docs.py`"
     )
+
+
+def test_a_key_that_moved_to_kernels_names_its_new_place(tmp_path):
+    with pytest.raises(ConfigError, match=r"\[model\] attention_backend .* moved to \[kernels\] attention"):
+        parse("--model.attention_backend=sdpa")
+    toml = tmp_path / "old.toml"
+    toml.write_text('[model]\nmhc_backward = "fused"\n')
+    with pytest.raises(ConfigError, match=r"old.toml:2\) moved to \[kernels\] mhc_backward"):
+        ConfigManager().parse_args(["--job.config_file", str(toml), "--training.device=cpu"])
+
+
+def test_kernel_choices_reach_the_activation_and_optimizer_packages(monkeypatch):
+    """build_components applies [kernels] activations / muon_gram process-wide; the environment variables, when
+    set, still win (the documented override)."""
+    import importlib
+
+    import torch
+    from activation import backend
+
+    from llm_training.distributed import ParallelDims
+    from llm_training.motif.spec import MOTIF3_SPEC
+    from llm_training.trainer.components import build_components
+
+    monkeypatch.delenv("ACTIVATION_BACKEND", raising=False)
+    monkeypatch.delenv("MUON_GRAM_BACKEND", raising=False)
+    monkeypatch.setattr(backend, "_configured", "auto")
+    newton_schulz = importlib.import_module("optimizer.newton_schulz")  # the package exports a function of that name
+    monkeypatch.setattr(newton_schulz, "_gram_backend", "torch")
+    c = parse("--kernels.activations=torch")
+    build_components(MOTIF3_SPEC, c, ParallelDims(1, -1, 1, 1, 1), torch.device("cpu"))
+    assert backend.requested_backend() == "torch" and newton_schulz._gram_backend == "torch"
+    monkeypatch.setenv("ACTIVATION_BACKEND", "auto")
+    assert backend.requested_backend() == "auto"

@@ -81,5 +81,11 @@ def test_missing_optional_package(flag, package, capsys, monkeypatch):
 def test_fused_mhc_backward_needs_cuda_and_triton(capsys, monkeypatch):
     """On the CPU (or without triton) `mhc_backward = 'fused'` exits 2 naming the key and the alternative."""
     monkeypatch.setattr("activation.backend.TRITON_AVAILABLE", True)  # the device alone decides here
-    err = _error(capsys, "--model.mhc_backward=fused")  # debug_cpu.toml: device = "cpu"
-    assert "[model] mhc_backward = 'fused'" in err and "needs a CUDA device" in err and "'tensor_ops'" in err
+    err = _error(capsys, "--kernels.mhc_backward=fused")  # debug_cpu.toml: device = "cpu"
+    assert "[kernels] mhc_backward = 'fused'" in err and "needs a CUDA device" in err and "'tensor_ops'" in err
+
+
+@pytest.mark.parametrize("key,fallback", [("activations", "auto"), ("muon_gram", "torch")])
+def test_triton_kernel_choices_need_cuda_and_triton(capsys, key, fallback):
+    err = _error(capsys, f"--kernels.{key}=triton")  # debug_cpu.toml: device = "cpu"
+    assert f"[kernels] {key} = 'triton'" in err and "needs a CUDA device" in err and f"'{fallback}'" in err

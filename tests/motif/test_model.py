@@ -310,7 +310,7 @@ def test_forward_equals_spec_composition_by_hand():
 
 
 def test_mhc_backward_choice_reaches_every_mhc_module():
-    """`[model] mhc_backward` (Motif3Model's mhc_backward) sets how every block's two MHC modules run backward."""
+    """`[kernels] mhc_backward` (Motif3Model's mhc_backward) sets how every block's two MHC modules run backward."""
     from llm_training.layers.mhc.hyper_connections import MHC
 
     for choice, want in (("tensor_ops", {False}), ("fused", {True}), ("auto", {True})):

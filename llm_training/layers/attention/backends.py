@@ -1,5 +1,5 @@
 """Attention kernels behind one interface, the per-forward attention metadata, and the registry keyed by
-`[model] attention_backend` (the config's choices are exactly this registry's names).
+`[kernels] attention` (the config's choices are exactly this registry's names).
 
 Every kernel has the signature
 
@@ -253,13 +253,13 @@ ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
-    """Look up a backend by its `[model] attention_backend` name; the error lists what exists."""
+    """Look up a backend by its `[kernels] attention` name; the error lists what exists."""
     try:
         return ATTENTION_BACKENDS[name]
     except KeyError:
         raise ValueError(
             f"unknown attention_backend {name!r}; available: {', '.join(sorted(ATTENTION_BACKENDS))} "
-            "(set [model] attention_backend)"
+            "(set [kernels] attention)"
         ) from None
 
 

@@ -113,11 +113,11 @@ def document_cu_seqlens(document_ids_BS: torch.Tensor) -> torch.Tensor:
 def _check_inputs(q_BSHD: torch.Tensor, v_BSKE: torch.Tensor) -> None:
     reason = fa4_unavailable_reason(q_BSHD.device) or fa4_head_dims_problem(q_BSHD.shape[-1], v_BSKE.shape[-1])
     if reason is not None:
-        raise RuntimeError(f"attention_backend = 'fa4': {reason}; use attention_backend = 'auto' or 'flex'")
+        raise RuntimeError(f"[kernels] attention = 'fa4': {reason}; use attention = 'auto' or 'flex'")
     if q_BSHD.dtype not in _HALF_DTYPES:
         raise RuntimeError(
-            f"attention_backend = 'fa4' runs bf16 / fp16 only, got {q_BSHD.dtype}; set [training] "
-            "mixed_precision_param = 'bfloat16' or use attention_backend = 'sdpa'"
+            f"[kernels] attention = 'fa4' runs bf16 / fp16 only, got {q_BSHD.dtype}; set [training] "
+            "mixed_precision_param = 'bfloat16' or use attention = 'sdpa'"
         )
 
 

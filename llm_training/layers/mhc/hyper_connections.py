@@ -26,7 +26,7 @@ fused pre/post work, recompute in backward):
     keeps only its fp32 input, not the Sinkhorn iterates. On CUDA the Sinkhorn steps are one fused Triton
     kernel each way (`layers.sinkhorn`: an op torch.compile does not trace, whose backward recomputes the
     iterates in registers), which keeps about half of the nodes out of a compiled block's graph.
-  * `[model] mhc_backward = "auto"` (the default) or "fused": on CUDA with triton, the collapse and mix Functions'
+  * `[kernels] mhc_backward = "auto"` (the default) or "fused": on CUDA with triton, the collapse and mix Functions'
     backward runs one Triton kernel each over the stream instead of tensor ops (`layers.mhc_ops`,
     `layers.mhc_kernels`; on the H200: mix 1.31x, collapse 1.04x, the step 1.012x); elsewhere tensor ops.
     The norm + projection backward stays tensor ops (a fused kernel for it measured 0.83x and was removed).
@@ -85,7 +85,7 @@ class MHC(nn.Module):
         super().__init__()
         n, nh = n_streams, n_streams * hidden_size
         self.n, self.sinkhorn_iters, self.identity_init = n, sinkhorn_iters, identity_init
-        # [model] mhc_backward auto / fused: the backward over the stream runs `layers.mhc_ops` where it can (CUDA +
+        # [kernels] mhc_backward auto / fused: the backward over the stream runs `layers.mhc_ops` where it can (CUDA +
         # triton: `mhc_ops.uses_stream_kernels`, checked per call)
         self.fused_backward = fused_backward
         self.h_post_alpha = h_post_alpha  # c_post = 1 + h_post_alpha; the trainer schedules it

@@ -1,6 +1,6 @@
 """Triton kernels of mHC's stream-wide backward (`layers.mhc`), imported only where triton is.
 
-Used where `[model] mhc_backward` is "auto" (the default) or "fused" and the stream is on CUDA ("tensor_ops":
+Used where `[kernels] mhc_backward` is "auto" (the default) or "fused" and the stream is on CUDA ("tensor_ops":
 inductor compiles the Functions' tensor ops instead).
 Status: correct (tests/layers/mhc/test_mhc_kernels.py and test_mhc_gpu.py pass on the H200 and in the Triton
 interpreter; bench/bench_mhc_kernels.py also checks the outputs against fp32 tensor ops). Measured on the H200

@@ -71,7 +71,7 @@ def test_fa4_kernel_without_cuda_names_the_alternative():
     q = torch.randn(1, 8, 4, 16, dtype=torch.bfloat16)
     k = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
     v = torch.randn(1, 8, 2, 8, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="attention_backend = 'auto' or 'flex'"):
+    with pytest.raises(RuntimeError, match="attention = 'auto' or 'flex'"):
         get_attention_backend("fa4").kernel(
             q, k, v, scale=0.25, window=None, metadata=AttentionMetadata(), record_max_logits=False
         )
@@ -86,9 +86,9 @@ def test_fa4_rejects_fp32(monkeypatch):
 def test_config_accepts_fa4_and_the_environment_check_names_the_alternative():
     from llm_training.config import ConfigError, ConfigManager, validate_environment
 
-    c = ConfigManager().parse_args(["--model.attention_backend=fa4", "--training.device=cpu"])
-    assert c.model.attention_backend == "fa4"
-    with pytest.raises(ConfigError, match="attention_backend = 'fa4': flash-attn-4 needs a CUDA device.*'auto'"):
+    c = ConfigManager().parse_args(["--kernels.attention=fa4", "--training.device=cpu"])
+    assert c.kernels.attention == "fa4"
+    with pytest.raises(ConfigError, match="attention = 'fa4': flash-attn-4 needs a CUDA device.*'auto'"):
         validate_environment(c)
 
 
@@ -349,5 +349,5 @@ def test_auto_picks_fa4_only_for_head_dims_its_backward_compiles(monkeypatch):
     assert picks == {(24, 16): False, (192, 128): True, (24, 24): True, (64, 128): True, (32, 128): False, None: True}
     monkeypatch.setattr(fa4, "fa4_unavailable_reason", lambda device: None)
     q, v = torch.zeros(1, 8, 10, 24, dtype=torch.bfloat16), torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"qk head dim 24 with v head dim 16.*attention_backend = 'auto' or 'flex'"):
+    with pytest.raises(RuntimeError, match=r"qk head dim 24 with v head dim 16.*attention = 'auto' or 'flex'"):
         fa4._check_inputs(q, v)
