@@ -22,8 +22,9 @@ from pathlib import Path
 from llm_training.data import (
     BUNDLED_TOKENIZER_PATH,
     DEMO_DATA_PATH,
-    ChatDataLoader,
+    ChatDocumentSource,
     ChatTokenizer,
+    PackedDataLoader,
     build_tokenizer,
     open_records,
 )
@@ -54,9 +55,8 @@ def check_batch(batch: dict, batch_size: int, seq_len: int) -> None:
 def run_case(name: str, path: Path, tokenizer, packing: str, seq_len: int, batch_size: int, seconds: float) -> dict:
     start = time.perf_counter()
     records = open_records(path, "conversations", "train")
-    loader = ChatDataLoader(
-        records,
-        ChatTokenizer(tokenizer),
+    loader = PackedDataLoader(
+        ChatDocumentSource(records, ChatTokenizer(tokenizer), seq_len=seq_len),
         seq_len=seq_len,
         local_batch_size=batch_size,
         packing=packing,

@@ -1,4 +1,8 @@
-"""The stateful chat data loader: shard by data-parallel rank, shuffle per epoch, tokenize lazily, pack, resume.
+"""The stateful packed data loader: shard by data-parallel rank, shuffle per epoch, read ahead, pack, resume.
+
+It is generic over its document source (`DocumentSource`: how many records there are and, for a list of record
+indices, the trainable documents or the bad-record reasons they give); the chat data sets' source is
+`data.chat_source.ChatDocumentSource` (validate, render with the chat template, tokenize, fit to seq_len).
 
 Order of records: epoch e visits a permutation of all records (seeded by `shuffle_seed + e`, or file order
 without `shuffle`): the global sample order, whose positions g = 0..n-1 name the records of the epoch. Rank r
@@ -25,8 +29,8 @@ Iterating the loader (`next(loader)`) prepares `prefetch_batches` batches ahead 
 tokenizer releases the GIL) and keeps, with each batch, a snapshot of the state after it, so `state_dict()`
 still describes the last batch returned. `next_batch()` computes one batch in the calling thread.
 
-Bad records (malformed JSON, missing conversations, unknown role, non-string content, no assistant turn, a
-conversation the chat template rejects):
+Bad records (for chat data: malformed JSON, missing conversations, unknown role, non-string content, no assistant
+turn, a conversation the chat template rejects):
 `bad_record_policy="fail"` raises `BadRecordError` naming file:line and the reason; "skip" counts them, logs
 the first few with file:line and a summary per epoch. Either way the loader raises when more than
 `max_bad_fraction` of the records seen are bad (checked from 100 records on, and at every epoch end) or when a
@@ -40,12 +44,14 @@ import logging
 import queue
 import threading
 from collections import deque
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from llm_training.data.chat import BadRecord, ChatTokenizer, validate_conversation
-from llm_training.data.packing import Document, RowPacker, collate_rows, fit_document
+from llm_training.data.chat import ChatTokenizer
+from llm_training.data.chat_source import ChatDocumentSource, SourceOutcome
+from llm_training.data.packing import Document, RowPacker, collate_rows
 from llm_training.data.records import open_records
 
 logger = logging.getLogger(__name__)
@@ -56,7 +62,6 @@ READ_AHEAD_RECORDS = 64  # records read + tokenized per batched tokenizer call
 STATE_VERSION = 2
 
 PACKING_MODES = ("pack", "pad")
-OVERLONG_MODES = ("truncate", "drop")
 BAD_RECORD_POLICIES = ("skip", "fail")
 COUNTER_NAMES = (
     "records_seen",
@@ -75,18 +80,29 @@ class BadRecordError(ValueError):
     """Bad input the loader refuses to train on (names the file:line or the threshold that was crossed)."""
 
 
-class ChatDataLoader:
+class DocumentSource(Protocol):
+    """What the loader reads documents from (e.g. `ChatDocumentSource`)."""
+
+    empty_files: list  # files of the data set that hold no record (reported, or refused under policy 'fail')
+    pad_id: int  # the token id that fills a row's unused tail
+
+    def __len__(self) -> int: ...  # number of records
+
+    def documents(self, record_indices) -> list[SourceOutcome]: ...  # one outcome per record, in order
+
+    def fingerprint(self) -> dict: ...  # the source settings a saved loader state must match
+
+
+class PackedDataLoader:
     """Infinite iterable of packed batches for one data-parallel rank (see module doc)."""
 
     def __init__(
         self,
-        records,
-        chat_tokenizer: ChatTokenizer,
+        source: DocumentSource,
         *,
         seq_len: int,
         local_batch_size: int,
         packing: str = "pack",
-        overlong: str = "truncate",
         shuffle: bool = True,
         shuffle_seed: int = 0,
         bad_record_policy: str = "skip",
@@ -96,7 +112,6 @@ class ChatDataLoader:
         prefetch_batches: int = 2,
     ):
         _check_choice("[huggingface_dataset] packing", packing, PACKING_MODES)
-        _check_choice("[huggingface_dataset] overlong", overlong, OVERLONG_MODES)
         _check_choice("[huggingface_dataset] bad_record_policy", bad_record_policy, BAD_RECORD_POLICIES)
         if not 0.0 <= max_bad_fraction <= 1.0:
             raise ValueError(f"[huggingface_dataset] max_bad_fraction must be in [0, 1], got {max_bad_fraction}")
@@ -106,12 +121,10 @@ class ChatDataLoader:
             )
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_world_size={dp_world_size})")
-        self.records = records
-        self.chat = chat_tokenizer
+        self.source = source
         self.seq_len = seq_len
         self.batch_size = local_batch_size
         self.packing = packing
-        self.overlong = overlong
         self.shuffle = shuffle
         self.shuffle_seed = shuffle_seed
         self.policy = bad_record_policy
@@ -140,15 +153,15 @@ class ChatDataLoader:
         self._delivered_state: dict = {}
 
     def _check_sizes(self) -> None:
-        for file in self.records.empty_files:
+        for file in self.source.empty_files:
             if self.policy == "fail":
                 raise BadRecordError(f"{file}: empty file (no records); bad_record_policy='fail'")
             logger.warning("data: %s is empty (no records); skipping it", file)
-        if len(self.records) == 0:
+        if len(self.source) == 0:
             raise BadRecordError("[training] dataset_path: the data set has no records (every file is empty)")
-        if len(self.records) < self.dp_world_size:
+        if len(self.source) < self.dp_world_size:
             raise ValueError(
-                f"the data set has {len(self.records)} records, fewer than the {self.dp_world_size} data-parallel "
+                f"the data set has {len(self.source)} records, fewer than the {self.dp_world_size} data-parallel "
                 "ranks: every rank needs at least one record"
             )
 
@@ -156,7 +169,7 @@ class ChatDataLoader:
     def _order(self, epoch: int) -> np.ndarray:
         """The global sample order of `epoch`: record index at each global position (last two cached)."""
         if epoch not in self._orders:
-            n = len(self.records)
+            n = len(self.source)
             if self.shuffle:
                 order = torch.randperm(n, generator=torch.Generator().manual_seed(self.shuffle_seed + epoch)).numpy()
             else:
@@ -171,34 +184,19 @@ class ChatDataLoader:
         if epoch not in self._shards:
             while len(self._shards) >= 2:
                 del self._shards[min(self._shards)]
-            pool = _untrained(len(self.records), self.trained_before.get(epoch))
+            pool = _untrained(len(self.source), self.trained_before.get(epoch))
             self._shards[epoch] = pool[self.dp_rank :: self.dp_world_size]
         return self._shards[epoch]
 
     # ---- reading ------------------------------------------------------------------------------------------
-    def _process(self, epoch: int, positions) -> list[tuple]:
-        """Read, validate, render, tokenize and fit the records at global `positions` of `epoch`.
-        Each outcome is ("bad", location, reason) or ("doc", location, Document or None if dropped, truncated)."""
+    def _process(self, epoch: int, positions) -> list[SourceOutcome]:
+        """The source's outcomes for the records at global `positions` of `epoch`, each document tagged with its
+        (epoch, position): ("bad", location, reason) or ("doc", location, Document or None if dropped, truncated)."""
         positions = [int(g) for g in positions]
-        fetched = self.records.fetch(self._order(epoch)[positions])
-        outcomes: list[tuple] = []
-        pieces, slots = [], []
-        for location, conversation in fetched:
-            try:
-                pieces.append(self.chat.split(validate_conversation(conversation)))
-                slots.append(len(outcomes))
-                outcomes.append(("doc", location))
-            except BadRecord as bad:
-                outcomes.append(("bad", location, bad.reason))
-        for slot, chat in zip(slots, self.chat.tokenize(pieces)):
-            doc, truncated = fit_document(chat, self.seq_len, self.overlong)
-            location = outcomes[slot][1]
-            if doc is None and not truncated:
-                outcomes[slot] = ("bad", location, "no trained token (the target is the first token of the render)")
-                continue
-            if doc is not None:
-                doc.source = (epoch, positions[slot])
-            outcomes[slot] = ("doc", location, doc, truncated)
+        outcomes = self.source.documents(self._order(epoch)[positions])
+        for position, outcome in zip(positions, outcomes):
+            if outcome[0] == "doc" and outcome[2] is not None:
+                outcome[2].source = (epoch, position)
         return outcomes
 
     def _read_ahead(self) -> None:
@@ -310,7 +308,7 @@ class ChatDataLoader:
             self.ready_rows.extend(self.packer.add(self._next_document()))
         rows = [self.ready_rows.popleft() for _ in range(self.batch_size)]
         self.counters["rows"] += len(rows)
-        return collate_rows(rows, self.seq_len, self.chat.pad_id)
+        return collate_rows(rows, self.seq_len, self.source.pad_id)
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         """The next batch, computed in the calling thread (do not mix with iterating the loader)."""
@@ -351,13 +349,13 @@ class ChatDataLoader:
     # ---- state --------------------------------------------------------------------------------------------
     def _fingerprint(self) -> dict:
         return {
-            "num_records": len(self.records),
+            "num_records": len(self.source),
             "dp_rank": self.dp_rank,
             "dp_world_size": self.dp_world_size,
             "seq_len": self.seq_len,
             "local_batch_size": self.batch_size,
             "packing": self.packing,
-            "overlong": self.overlong,
+            **self.source.fingerprint(),
             "shuffle": self.shuffle,
             "shuffle_seed": self.shuffle_seed,
         }
@@ -446,7 +444,7 @@ class ChatDataLoader:
             self._prefetcher.close()
             self._prefetcher = None
         changed = [k for k in mine if k != "dp_rank" and saved[k] != mine[k]]
-        epoch, trained = merge_trained_positions(ordered, len(self.records))
+        epoch, trained = merge_trained_positions(ordered, len(self.source))
         self._set_trained_before(trained)
         self.epoch, self.position, self.epoch_documents = epoch, 0, 0
         self.counters = dict.fromkeys(COUNTER_NAMES, 0)
@@ -466,7 +464,7 @@ class ChatDataLoader:
                 "trained, shared by %d data-parallel ranks",
                 ", ".join(changed),
                 epoch,
-                len(self.records) - len(trained.get(epoch, ())),
+                len(self.source) - len(trained.get(epoch, ())),
                 self.dp_world_size,
             )
 
@@ -564,7 +562,7 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{key} = {value!r}; expected one of {list(choices)}")
 
 
-def build_dataloader(job_config, tokenizer, dp_rank: int, dp_world_size: int) -> ChatDataLoader:
+def build_dataloader(job_config, tokenizer, dp_rank: int, dp_world_size: int) -> PackedDataLoader:
     """The data loader of one data-parallel rank from the `[training]` and `[huggingface_dataset]` config."""
     training, hf = job_config.training, job_config.huggingface_dataset
     if training.dataset != "huggingface":
@@ -572,13 +570,12 @@ def build_dataloader(job_config, tokenizer, dp_rank: int, dp_world_size: int) ->
     # Records are always read lazily from disk (jsonl through a line-offset index, save_to_disk as
     # memory-mapped arrow) and tokenized on the fly, so there is no separate streaming mode.
     records = open_records(training.dataset_path, hf.conversations_field, hf.split)
-    return ChatDataLoader(
-        records,
-        ChatTokenizer(tokenizer),
+    source = ChatDocumentSource(records, ChatTokenizer(tokenizer), seq_len=training.seq_len, overlong=hf.overlong)
+    return PackedDataLoader(
+        source,
         seq_len=training.seq_len,
         local_batch_size=training.local_batch_size,
         packing=hf.packing,
-        overlong=hf.overlong,
         shuffle=hf.shuffle,
         shuffle_seed=hf.shuffle_seed,
         bad_record_policy=hf.bad_record_policy,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from llm_training.data import ChatDataLoader, ChatTokenizer, open_records
+from llm_training.data import ChatDocumentSource, ChatTokenizer, PackedDataLoader, open_records
 
 IGNORE = -100
 
@@ -52,12 +52,15 @@ def reference_document(raw: Tokenizer, messages: list[dict]) -> tuple[list[int],
     return ids, labels
 
 
-def make_loader(path, hf_tokenizer, **kwargs) -> ChatDataLoader:
+def make_loader(path, hf_tokenizer, **kwargs) -> PackedDataLoader:
     kwargs.setdefault("seq_len", 64)
     kwargs.setdefault("local_batch_size", 2)
     kwargs.setdefault("shuffle", False)
     records = open_records(path, kwargs.pop("conversations_field", "conversations"), kwargs.pop("split", "train"))
-    return ChatDataLoader(records, ChatTokenizer(hf_tokenizer), **kwargs)
+    source = ChatDocumentSource(
+        records, ChatTokenizer(hf_tokenizer), seq_len=kwargs["seq_len"], overlong=kwargs.pop("overlong", "truncate")
+    )
+    return PackedDataLoader(source, **kwargs)
 
 
 def split_documents(batch: dict) -> list[tuple[list[int], list[int]]]:

@@ -113,7 +113,7 @@ def test_empty_files(tmp_path, hf_tokenizer, caplog):
     with caplog.at_level(logging.WARNING, logger="llm_training.data.dataloader"):
         loader = make_loader(folder, hf_tokenizer)
     assert f"{folder / 'b.jsonl'} is empty" in caplog.text
-    assert len(loader.records) == 5
+    assert len(loader.source) == 5
     with pytest.raises(BadRecordError, match=rf"{folder / 'b.jsonl'}: empty file"):
         make_loader(folder, hf_tokenizer, bad_record_policy="fail")
     empty = tmp_path / "empty.jsonl"
