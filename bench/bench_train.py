@@ -62,7 +62,8 @@ def random_batch(batch: int, seq_len: int, vocab: int, gen: torch.Generator) -> 
     labels = torch.full_like(ids, -100)
     labels[:, :-1] = ids[:, 1:]
     labels[:, half - 1] = -100  # no prediction across the document boundary
-    return {"input_ids": ids, "labels": labels, "position_ids": pos, "document_ids": doc}
+    real = torch.full((batch,), seq_len, dtype=torch.long)  # no padding
+    return {"input_ids": ids, "labels": labels, "position_ids": pos, "document_ids": doc, "real_tokens": real}
 
 
 def profile_steps(trainer, batch: int, seq_len: int, vocab: int, steps: int, out_path: str) -> None:

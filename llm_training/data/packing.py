@@ -103,8 +103,9 @@ class RowPacker:
 
 
 def collate_rows(rows: list[list[Document]], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """Rows of documents -> the batch dict of [len(rows), seq_len] tensors (see CONTRACTS "Data batches")."""
-    input_ids, labels, position_ids, document_ids = [], [], [], []
+    """Rows of documents -> the batch dict of [len(rows), seq_len] tensors (see CONTRACTS "Data batches"), plus
+    `real_tokens` [len(rows)]: each row's tokens that belong to a document (the rest is padding)."""
+    input_ids, labels, position_ids, document_ids, real_tokens = [], [], [], [], []
     for row in rows:
         row_ids, row_labels, row_pos, row_doc = [], [], [], []
         for k, doc in enumerate(row):
@@ -113,6 +114,7 @@ def collate_rows(rows: list[list[Document]], seq_len: int, pad_id: int) -> dict[
             row_pos += range(len(doc))
             row_doc += [k] * len(doc)
         pad = seq_len - len(row_ids)
+        real_tokens.append(len(row_ids))
         row_ids += [pad_id] * pad
         row_labels += [IGNORE_INDEX] * pad
         row_pos += range(pad)
@@ -126,4 +128,5 @@ def collate_rows(rows: list[list[Document]], seq_len: int, pad_id: int) -> dict[
         "labels": torch.tensor(labels, dtype=torch.long),
         "position_ids": torch.tensor(position_ids, dtype=torch.long),
         "document_ids": torch.tensor(document_ids, dtype=torch.int32),
+        "real_tokens": torch.tensor(real_tokens, dtype=torch.long),
     }

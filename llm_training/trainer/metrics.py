@@ -6,7 +6,9 @@ record per logged step across resumes: a resumed run first drops the records of 
 it resumed from (written by the crashed run, now trained again). `lr` is the rate the step used.
 
 MFU is reported in both conventions of docs/architecture.md §7 (`training_flops_per_token(args, seq_len,
-"megatron"|"torchtitan")`) against the dense bf16 peak of the detected GPU; on CPU it is n/a.
+"megatron"|"torchtitan")`) against the dense bf16 peak of the detected GPU; on CPU it is n/a. Beside the
+padded figures (every position of every row), the true throughput counts only the tokens of documents:
+`real_tokens_per_s`, `real_mfu_*` and `packing_efficiency` (their share of the rows) per logging interval.
 wandb settings come from the environment only (`wandb_init_kwargs`: WANDB_PROJECT, WANDB_TEAM, WANDB_RUN_NAME,
 WANDB_RUN_ID, WANDB_API_KEY, WANDB_MODE): never from the TOML; the key is never printed or written.
 """
@@ -103,8 +105,9 @@ class StepRecord:
     balance_loss: float
     grad_norm: float
     lr: float
-    tokens: int  # tokens processed this step over all ranks (global batch x seq_len)
+    tokens: int  # tokens processed this step over all ranks (global batch x seq_len, padding included)
     step_time_s: float
+    real_tokens: int | None = None  # of those, the non-padding ones (None: not measured, e.g. a benchmark)
     expert_imbalance: float | None = None
     qk_clip_events: int = 0  # heads rescaled by QK-clip this step
     skipped: bool = False  # non-finite step, not applied
@@ -194,6 +197,12 @@ class MetricsLogger:
         tps = tokens / time_s if time_s > 0 else 0.0
         tflops = {c: tps * f / self.world_size / 1e12 for c, f in self.flops_per_token.items()}  # per GPU
         mfu = {c: (tflops[c] * 1e12 / self.peak if self.peak else None) for c in MFU_CONVENTIONS}
+        # true throughput: only the tokens of documents (padding excluded), and the share of the rows they fill
+        measured = all(r.real_tokens is not None for r in window)
+        real = sum(r.real_tokens for r in window) if measured else None
+        packing = real / tokens if measured and tokens else None
+        real_tps = tps * packing if packing is not None else None
+        real_mfu = {c: (None if v is None or packing is None else v * packing) for c, v in mfu.items()}
         peak_mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
         avg_step = self._time_total / self._steps_timed if self._steps_timed else time_s / len(window)
         eta_s = avg_step * (self.total_steps - last.step)
@@ -207,10 +216,14 @@ class MetricsLogger:
             "grad_norm": mean([r.grad_norm for r in applied]),
             "lr": last.lr,
             "tokens_per_s": tps,
+            "real_tokens_per_s": real_tps,
+            "packing_efficiency": packing,
             "tflops_per_gpu_megatron": tflops["megatron"],
             "tflops_per_gpu_torchtitan": tflops["torchtitan"],
             "mfu_megatron": mfu["megatron"],
             "mfu_torchtitan": mfu["torchtitan"],
+            "real_mfu_megatron": real_mfu["megatron"],
+            "real_mfu_torchtitan": real_mfu["torchtitan"],
             "peak_memory_gib": peak_mem,
             "expert_imbalance_max_over_mean": max(imbalance) if imbalance else None,
             "qk_clip_events": self._qk_clip_total,
@@ -221,11 +234,11 @@ class MetricsLogger:
             return
         pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
         logger.info(
-            "step %d/%d  loss %.4f (ce %.4f mtp %.4f bal %.4g)  gnorm %.3f  lr %.3g  tok/s %.0f  "
+            "step %d/%d  loss %.4f (ce %.4f mtp %.4f bal %.4g)  gnorm %.3f  lr %.3g  tok/s %.0f (real %s, packed %s)  "
             "TFLOP/s/gpu %s|%s  MFU %s|%s (megatron|torchtitan)  mem %s GiB  imbalance %s  "
             "qk-clip %d  skipped %d  eta %s",
             last.step, self.total_steps, metrics["loss"], metrics["ce_loss"], metrics["mtp_loss"],
-            metrics["balance_loss"], metrics["grad_norm"], last.lr, tps,
+            metrics["balance_loss"], metrics["grad_norm"], last.lr, tps, _fmt(real_tps, ".0f"), pct(packing),
             _fmt(tflops["megatron"], ".3g"), _fmt(tflops["torchtitan"], ".3g"),
             pct(mfu["megatron"]), pct(mfu["torchtitan"]), _fmt(peak_mem, ".1f"),
             _fmt(metrics["expert_imbalance_max_over_mean"], ".2f"), self._qk_clip_total, self._skipped_total,

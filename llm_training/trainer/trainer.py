@@ -335,9 +335,11 @@ class Trainer:
         self.parallel.sync_replicated_grads()
         # One SUM all-reduce for the losses, two flags (this rank saw a non-finite loss / a stop signal) and the
         # summed statistics; one MAX all-reduce for the max statistics.
+        # ... and this rank's non-padding tokens (the cp ranks of a data rank read the same batch: counted once).
         flags = [float(not bool(torch.isfinite(parts).all())), float(self.stop_signal.received is not None)]
-        sums = torch.cat([parts, torch.tensor(flags, dtype=torch.float64, device=self.device)])
-        sums, global_stats = all_reduce_step(sums, stats)
+        real_tokens = sum(int(mb["real_tokens"].sum()) for mb in micro_batches) / self.parallel_dims.cp
+        extra = torch.tensor([*flags, real_tokens], dtype=torch.float64, device=self.device)
+        sums, global_stats = all_reduce_step(torch.cat([parts, extra]), stats)
         parts, any_nonfinite_loss, self._stop_requested = sums[:4], bool(sums[4] > 0), bool(sums[5] > 0)
 
         grad_norm = clip_grad_norm_(list(self.model.parameters()), t.max_norm)
@@ -366,6 +368,7 @@ class Trainer:
             grad_norm=grad_norm,
             lr=lr,
             tokens=t.local_batch_size * t.seq_len * len(micro_batches) * self.dp_size,
+            real_tokens=round(sums[6].item()),
             step_time_s=0.0,
             skipped=nonfinite,
             **model_metrics,

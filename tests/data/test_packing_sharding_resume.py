@@ -58,6 +58,11 @@ def test_pack_rows_hold_whole_documents_first_fit(tmp_path, hf_tokenizer, raw_to
     assert sorted(emitted + waiting) == sorted(consumed)
     # first-fit fills the rows well: little padding in the emitted rows
     assert sum(len(ids) for ids, _ in emitted) / (12 * 64) > 0.8
+    # each batch counts its rows' document tokens (the true throughput's numerator)
+    batch = loader.next_batch()
+    assert batch["real_tokens"].tolist() == [
+        sum(len(ids) for ids, _ in split_documents({k: v[r : r + 1] for k, v in batch.items()})) for r in range(3)
+    ]
     assert len(loader.packer.open_rows) <= 8
 
 

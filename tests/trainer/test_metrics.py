@@ -146,3 +146,24 @@ def test_trainer_metrics_one_record_per_step_across_a_crash_and_lr_of_the_step(m
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
     # warmup over 2 steps, then cosine down to 0.1 x at the last step: the rates steps 1..4 trained with
     assert [r["lr"] for r in lines] == pytest.approx([1.5e-3, 3e-3, 1.65e-3, 3e-4])
+
+
+def test_true_throughput_counts_only_real_tokens_and_reports_packing(tmp_path, monkeypatch):
+    """tokens/s counts every position of the rows; the real figure and its MFU only the documents' tokens, and the
+    packing efficiency is their share over the logging interval (a record without the count reports n/a)."""
+    from llm_training.trainer import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "peak_bf16_flops", lambda device: 1e12)  # an MFU to scale
+    log = MetricsLogger(
+        flops_by_convention(64), total_steps=3, log_freq=2, run_folder=tmp_path, device=torch.device("cpu")
+    )
+    for step, real in ((1, 900), (2, 600), (3, None)):
+        rec = _rec(step, 2.0)
+        rec.real_tokens = real
+        log.record(rec)
+    log.close()
+    first, second = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert first["tokens_per_s"] == 2000.0 and first["packing_efficiency"] == pytest.approx(0.75)  # 1500 / 2000
+    assert first["real_tokens_per_s"] == pytest.approx(1500.0)
+    assert first["real_mfu_megatron"] == pytest.approx(0.75 * first["mfu_megatron"])
+    assert second["packing_efficiency"] is None and second["real_tokens_per_s"] is None

@@ -76,7 +76,14 @@ def global_batch(step: int) -> dict[str, torch.Tensor]:
     same_doc = document_ids[:, 1:] == document_ids[:, :-1]
     labels[:, :-1] = torch.where(same_doc, input_ids[:, 1:], -100)
     labels[position_ids < 2] = -100
-    return dict(input_ids=input_ids, labels=labels, position_ids=position_ids, document_ids=document_ids)
+    real_tokens = torch.full((ROWS,), SEQ)  # every row full: no padding
+    return dict(
+        input_ids=input_ids,
+        labels=labels,
+        position_ids=position_ids,
+        document_ids=document_ids,
+        real_tokens=real_tokens,
+    )
 
 
 def micro_batches(step: int, dims, rank: int) -> list[dict[str, torch.Tensor]]:

@@ -253,3 +253,32 @@ def test_run_started_from_an_hf_dir_records_its_config_for_export(make_config, t
     trainer = Trainer(make_config(f"--checkpoint.initial_load_path={tmp_path / 'hf'}"), DIMS, CPU)
     stored = json.loads(trainer.train_state.model_config_json)
     assert stored == config | {SOURCE_DIR_KEY: str((tmp_path / "hf").resolve())}
+
+
+def test_each_step_counts_its_real_tokens(make_config):
+    """The step record's real tokens are the loader rows' non-padding tokens (pad packing leaves a tail in every
+    row), at most the padded count, and metrics.jsonl reports the packing efficiency they give."""
+    trainer = Trainer(
+        make_config(
+            "--training.steps=2",
+            "--checkpoint.enable=false",
+            "--huggingface_dataset.packing=pad",
+            "--training.seq_len=256",
+        ),
+        DIMS,
+        CPU,
+    )
+    seen, recs, orig_step = [], [], trainer.train_step
+
+    def step_and_record(mbs):
+        seen.append(sum(int((mb["labels"] != -100).sum()) for mb in mbs))
+        rec = orig_step(mbs)
+        recs.append(rec)
+        return rec
+
+    trainer.train_step = step_and_record
+    result = trainer.fit()
+    for rec, labelled in zip(recs, seen):
+        assert labelled < rec.real_tokens < rec.tokens  # padding excluded; every document has unlabelled tokens
+    lines = [json.loads(x) for x in result.metrics_path.read_text().splitlines()]
+    assert 0 < lines[-1]["packing_efficiency"] < 1
