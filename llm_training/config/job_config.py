@@ -283,6 +283,21 @@ class Quantize:
 
 
 @dataclass
+class Profiling:
+    """Profiler trace and CUDA memory snapshot of a range of steps (llm_training/trainer/profiling.py)."""
+
+    start_step: int = option(0, "first optimizer step to profile (0: no profiling)")
+    end_step: int = option(0, "last optimizer step to profile, inclusive (0: start_step alone)")
+    memory_snapshot: bool = option(
+        False,
+        "also record the CUDA allocator's history over the steps and write its snapshot (open it in "
+        "pytorch.org/memory_viz); CUDA only",
+    )
+    ranks: str = option("rank0", "which ranks profile: rank0 or all", choices=("rank0", "all"))
+    folder: str = option("profile", "output folder, relative to <dump_folder>/<run_name>/")
+
+
+@dataclass
 class Metrics:
     log_freq: int = option(10, "log metrics every this many steps")
     enable_wandb: bool = option(
@@ -309,6 +324,7 @@ class JobConfig:
     kernels: Kernels = field(default_factory=Kernels)
     quantize: Quantize = field(default_factory=Quantize)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
 
     @property
     def run_folder(self) -> Path:

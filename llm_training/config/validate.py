@@ -78,6 +78,25 @@ def _check_quantize(c: "JobConfig") -> None:
         _require(problem is None, f"[quantize] recipe = {q.recipe!r} on CUDA: {problem}")
 
 
+def _check_profiling(c: "JobConfig") -> None:
+    pr = c.profiling
+    _require(pr.start_step >= 0, f"[profiling] start_step must be >= 0 (0: off), got {pr.start_step}")
+    _require(
+        pr.end_step == 0 or pr.end_step >= pr.start_step > 0,
+        f"[profiling] end_step = {pr.end_step} needs start_step >= 1 and end_step >= start_step (0: start_step "
+        f"alone); got start_step = {pr.start_step}",
+    )
+    _require(
+        not pr.memory_snapshot or pr.start_step > 0,
+        "[profiling] memory_snapshot = true records over the profiled steps: set [profiling] start_step too",
+    )
+    _require(
+        not pr.memory_snapshot or c.training.device != "cpu",
+        "[profiling] memory_snapshot = true records the CUDA allocator: it needs [training] device = 'cuda' "
+        "(or 'auto' on a GPU); set memory_snapshot = false",
+    )
+
+
 def validate_config(c: "JobConfig") -> None:
     """World-size-independent checks; raises ConfigError on the first problem found."""
     from llm_training.motif import MODEL_FLAVORS
@@ -167,6 +186,7 @@ def validate_config(c: "JobConfig") -> None:
     _require(ck.interval >= 1, f"[checkpoint] interval must be >= 1, got {ck.interval}")
     _require(ck.keep_latest_k >= 0, f"[checkpoint] keep_latest_k must be >= 0 (0 keeps all), got {ck.keep_latest_k}")
     _require(c.metrics.log_freq >= 1, f"[metrics] log_freq must be >= 1, got {c.metrics.log_freq}")
+    _check_profiling(c)
     _require(
         c.job.dry_run_world_size >= 0,
         f"[job] dry_run_world_size must be >= 0 (0: WORLD_SIZE or the config's degrees), got {c.job.dry_run_world_size}",

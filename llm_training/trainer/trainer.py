@@ -50,6 +50,7 @@ from llm_training.trainer.checkpoint import (
 from llm_training.trainer.components import build_components
 from llm_training.trainer.losses import count_labelled_tokens, micro_batch_loss
 from llm_training.trainer.metrics import MFU_CONVENTIONS, MetricsLogger, StepRecord
+from llm_training.trainer.profiling import StepProfiler
 from llm_training.trainer.resume import reapply_lr_schedule, warn_changed_config
 
 logger = logging.getLogger(__name__)
@@ -399,6 +400,7 @@ class Trainer:
         if dist.is_initialized():  # only rank 0 talks to wandb; every rank stores the same id in the checkpoint
             dist.broadcast_object_list(run_id, src=0)
         self.train_state.wandb_run_id = run_id[0]
+        profiler = StepProfiler(c.profiling, self.run_folder, self.rank, self.device)
         losses: dict[int, float] = {}
         data = iter(self.dataloader)
         self._stop_requested = False
@@ -416,7 +418,10 @@ class Trainer:
                 # the first step of a run compiles (minutes at full size): report its progress on rank 0
                 compiling = c.compile.enable and step == start_step + 1 and self.rank == 0
                 try:
-                    with compile_progress(logger.info, 60.0) if compiling else contextlib.nullcontext():
+                    with (
+                        profiler.step(step),
+                        compile_progress(logger.info, 60.0) if compiling else contextlib.nullcontext(),
+                    ):
                         rec = self.train_step(micro_batches)
                 except torch.OutOfMemoryError as e:
                     raise torch.OutOfMemoryError(
@@ -444,6 +449,7 @@ class Trainer:
             if not self._stop_requested and self.train_state.step == c.training.steps:
                 self._save(blocking=True)
         finally:
+            profiler.close()
             torch.use_deterministic_algorithms(was_deterministic)
             self.stop_signal.restore()
             if self.checkpointer is not None:

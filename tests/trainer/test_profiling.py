@@ -1,0 +1,50 @@
+"""[profiling]: a torch profiler trace of steps start..end under the run folder (CPU here), and the config errors."""
+
+import json
+
+import pytest
+import torch
+
+from llm_training.config import ConfigError
+from llm_training.distributed import ParallelDims
+from llm_training.trainer import train
+
+DIMS = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
+
+
+def test_trace_of_the_chosen_steps_is_written_under_the_run_folder(make_config):
+    c = make_config(
+        "--training.steps=3", "--checkpoint.enable=false", "--profiling.start_step=2", "--profiling.end_step=3"
+    )
+    result = train(c, DIMS, torch.device("cpu"))
+    assert len(result.losses) == 3
+    trace = c.run_folder / "profile" / "trace_rank0_steps2-3.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"train step 2", "train step 3"} <= names and "train step 1" not in names
+    assert any(e.get("name", "").startswith("aten::") for e in events)  # the ops of the steps are in it
+    assert list((c.run_folder / "profile").iterdir()) == [trace]  # no memory snapshot on CPU
+
+
+def test_no_profiling_by_default_writes_nothing(make_config):
+    c = make_config("--training.steps=2", "--checkpoint.enable=false")
+    result = train(c, DIMS, torch.device("cpu"))
+    assert len(result.losses) == 2 and result.run_folder.exists() and not (c.run_folder / "profile").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["--profiling.start_step=3", "--profiling.end_step=2"], r"\[profiling\] end_step = 2 needs"),
+        (["--profiling.end_step=2"], r"\[profiling\] end_step = 2 needs start_step >= 1"),
+        (["--profiling.memory_snapshot=true"], r"memory_snapshot = true .* set \[profiling\] start_step"),
+        (
+            ["--profiling.start_step=1", "--profiling.memory_snapshot=true"],
+            r"memory_snapshot = true records the CUDA allocator: it needs \[training\] device = 'cuda'",
+        ),
+        (["--profiling.ranks=some"], r"ranks"),
+    ],
+)
+def test_bad_profiling_values_are_config_errors_naming_the_key(make_config, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config(*overrides)
