@@ -89,7 +89,7 @@ def _all_gather(value: Any) -> list[Any]:
     """`value` of every rank, in rank order (a list of one without torch.distributed)."""
     if not dist.is_initialized():
         return [value]
-    out: list[Any] = [None] * dist.getworld_size()
+    out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
 
