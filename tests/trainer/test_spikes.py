@@ -105,6 +105,20 @@ def test_bad_loss_spike_settings_are_config_errors(make_config, overrides, named
     assert named in str(e.value)
 
 
+def test_rollback_without_checkpoints_exits_2(capsys):
+    from llm_training.config.manager import TRAIN_CONFIGS_DIR
+    from llm_training.train import main
+
+    argv = [
+        "--job.config_file",
+        str(TRAIN_CONFIGS_DIR / "debug_cpu.toml"),
+        "--loss_spike.enable",
+        "--loss_spike.policy=rollback",
+    ]
+    assert main([*argv, "--checkpoint.enable=false"]) == 2
+    assert "policy = 'rollback'" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------ training runs
 def _scale_loss_once(monkeypatch, trainer, step, factor=50.0):
     """Multiply every micro-batch loss of the first pass through `step` by `factor` (a finite spike)."""
