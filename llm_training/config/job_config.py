@@ -139,6 +139,31 @@ class Training:
 
 
 @dataclass
+class LossSpike:
+    """Finite loss spikes (llm_training/trainer/spikes.py): a step whose loss or gradient norm jumps above a moving
+    average of recent good steps is not applied, then skipped or rolled back to the last checkpoint."""
+
+    enable: bool = option(False, "detect loss / gradient-norm spikes and handle them with policy")
+    loss_factor: float = option(
+        2.0, "a step is a spike when its loss exceeds this factor x the moving average of recent good losses (> 1)"
+    )
+    grad_norm_factor: float = option(
+        0.0, "the same test on the gradient norm before clipping (0 disables it; else > 1)"
+    )
+    window: int = option(50, "number of recent good steps in the moving averages")
+    warmup_steps: int = option(50, "no detection before this many good steps were seen")
+    policy: str = option(
+        "skip",
+        "skip: do not apply the step (as a non-finite one); rollback: reload the last checkpoint and continue with "
+        "the data after the spike's batches (needs [checkpoint] enable)",
+        choices=("skip", "rollback"),
+    )
+    max_consecutive: int = option(
+        3, "stop the run after this many spikes in a row (no good step past the previous spike in between)"
+    )
+
+
+@dataclass
 class HuggingFaceDataset:
     split: str = option("train", "dataset split to read")
     conversations_field: str = option(
@@ -225,6 +250,11 @@ class Checkpoint:
     )
     initial_load_format: str = option("hf", "format of initial_load_path", choices=("hf", "dcp"))
     export_dtype: str = option("bfloat16", "dtype of exported HF safetensors", choices=DTYPE_NAMES)
+    export_hf_every: int = option(
+        0,
+        "also export every this many-th checkpoint (and the final one) as a HuggingFace folder "
+        "<dump_folder>/<run_name>/hf/step-<N>/ in export_dtype (0: never)",
+    )
     on_damaged: str = option(
         "fall_back",
         "newest checkpoint fails verification (missing, truncated or corrupted file): move it aside and resume "
@@ -314,6 +344,7 @@ class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
+    loss_spike: LossSpike = field(default_factory=LossSpike)
     huggingface_dataset: HuggingFaceDataset = field(default_factory=HuggingFaceDataset)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)

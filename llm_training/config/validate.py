@@ -97,6 +97,30 @@ def _check_profiling(c: "JobConfig") -> None:
     )
 
 
+def _check_loss_spike(c: "JobConfig") -> None:
+    """[loss_spike]: factors above 1, a non-empty window, and a checkpoint to roll back to."""
+    ls = c.loss_spike
+    if not ls.enable:
+        return
+    _require(
+        ls.loss_factor > 1,
+        f"[loss_spike] loss_factor must be > 1 (a spike is a loss above factor x its moving average), "
+        f"got {ls.loss_factor}; e.g. 2.0",
+    )
+    _require(
+        ls.grad_norm_factor == 0 or ls.grad_norm_factor > 1,
+        f"[loss_spike] grad_norm_factor must be 0 (off) or > 1, got {ls.grad_norm_factor}; e.g. 5.0",
+    )
+    _require(ls.window >= 1, f"[loss_spike] window must be >= 1 good steps, got {ls.window}; e.g. 50")
+    _require(ls.warmup_steps >= 0, f"[loss_spike] warmup_steps must be >= 0, got {ls.warmup_steps}")
+    _require(ls.max_consecutive >= 1, f"[loss_spike] max_consecutive must be >= 1, got {ls.max_consecutive}")
+    _require(
+        ls.policy != "rollback" or c.checkpoint.enable,
+        "[loss_spike] policy = 'rollback' reloads the last checkpoint, but [checkpoint] enable = false; "
+        "set [checkpoint] enable = true or policy = 'skip'",
+    )
+
+
 def validate_config(c: "JobConfig") -> None:
     """World-size-independent checks; raises ConfigError on the first problem found."""
     from llm_training.motif import MODEL_FLAVORS
@@ -185,6 +209,16 @@ def validate_config(c: "JobConfig") -> None:
     ck = c.checkpoint
     _require(ck.interval >= 1, f"[checkpoint] interval must be >= 1, got {ck.interval}")
     _require(ck.keep_latest_k >= 0, f"[checkpoint] keep_latest_k must be >= 0 (0 keeps all), got {ck.keep_latest_k}")
+    _require(
+        ck.export_hf_every >= 0,
+        f"[checkpoint] export_hf_every must be >= 0 (0: never), got {ck.export_hf_every}",
+    )
+    _require(
+        ck.export_hf_every == 0 or ck.enable,
+        f"[checkpoint] export_hf_every = {ck.export_hf_every} exports checkpoints, but [checkpoint] enable = false; "
+        "set enable = true or export_hf_every = 0",
+    )
+    _check_loss_spike(c)
     _require(c.metrics.log_freq >= 1, f"[metrics] log_freq must be >= 1, got {c.metrics.log_freq}")
     _check_profiling(c)
     _require(

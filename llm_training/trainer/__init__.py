@@ -3,6 +3,6 @@
 `llm_training.train` calls `train(job_config, parallel_dims, device) -> TrainResult` after `setup_distributed`.
 """
 
-from llm_training.trainer.trainer import NonFiniteLossError, Trainer, TrainResult, train
+from llm_training.trainer.trainer import LossSpikeError, NonFiniteLossError, Trainer, TrainResult, train
 
-__all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "train"]
+__all__ = ["LossSpikeError", "NonFiniteLossError", "TrainResult", "Trainer", "train"]

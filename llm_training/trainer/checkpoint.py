@@ -155,9 +155,13 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 def safe_dcp_load(state: dict[str, Any], path: str | os.PathLike) -> None:
     """`dcp.load(state, path)` with the safe metadata reader and planner (every DCP load goes through here).
     The metadata is read once up front so that a refused pickle raises UnpicklingError naming the global,
-    not DCP's wrapped exception (a BaseException)."""
+    not DCP's wrapped exception (a BaseException). An entry whose object says `optional_in_checkpoint = True`
+    (state a later version added) keeps its current state when the checkpoint has none for it."""
     reader = _SafeReader(str(path))
-    reader.read_metadata()
+    saved = {fqn.split(".", 1)[0] for fqn in reader.read_metadata().state_dict_metadata}
+    absent_optional = [k for k, v in state.items() if k not in saved and getattr(v, "optional_in_checkpoint", False)]
+    if absent_optional:
+        state = {k: v for k, v in state.items() if k not in absent_optional}
     dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=not dist.is_initialized())
 
 

@@ -111,6 +111,7 @@ class StepRecord:
     expert_imbalance: float | None = None
     qk_clip_events: int = 0  # heads rescaled by QK-clip this step
     skipped: bool = False  # non-finite step, not applied
+    spike: bool = False  # loss spike ([loss_spike]), not applied
 
 
 @dataclass
@@ -132,6 +133,7 @@ class MetricsLogger:
     start_step: int = 0  # the step resumed from (0: a fresh run)
     _window: list[StepRecord] = field(default_factory=list, init=False)
     _skipped_total: int = field(default=0, init=False)
+    _spikes_total: int = field(default=0, init=False)
     _qk_clip_total: int = field(default=0, init=False)
     _start_time: float = field(default_factory=time.perf_counter, init=False)
     _seen_first: bool = field(default=False, init=False)
@@ -176,6 +178,7 @@ class MetricsLogger:
     def record(self, rec: StepRecord) -> None:
         self._window.append(rec)
         self._skipped_total += int(rec.skipped)
+        self._spikes_total += int(rec.spike)
         self._qk_clip_total += rec.qk_clip_events
         if self._seen_first:  # the first step of a run includes compilation / warm-up: not in the ETA
             self._steps_timed += 1
@@ -189,7 +192,7 @@ class MetricsLogger:
         if not self._window:
             return
         window, self._window = self._window, []
-        applied = [r for r in window if not r.skipped] or window
+        applied = [r for r in window if not (r.skipped or r.spike)] or window
         last = window[-1]
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         time_s = sum(r.step_time_s for r in window)
@@ -228,6 +231,7 @@ class MetricsLogger:
             "expert_imbalance_max_over_mean": max(imbalance) if imbalance else None,
             "qk_clip_events": self._qk_clip_total,
             "skipped_steps": self._skipped_total,
+            "loss_spikes": self._spikes_total,
             "eta_s": eta_s,
         }
         if not self.is_rank0:
@@ -236,13 +240,13 @@ class MetricsLogger:
         logger.info(
             "step %d/%d  loss %.4f (ce %.4f mtp %.4f bal %.4g)  gnorm %.3f  lr %.3g  tok/s %.0f (real %s, packed %s)  "
             "TFLOP/s/gpu %s|%s  MFU %s|%s (megatron|torchtitan)  mem %s GiB  imbalance %s  "
-            "qk-clip %d  skipped %d  eta %s",
+            "qk-clip %d  skipped %d  spikes %d  eta %s",
             last.step, self.total_steps, metrics["loss"], metrics["ce_loss"], metrics["mtp_loss"],
             metrics["balance_loss"], metrics["grad_norm"], last.lr, tps, _fmt(real_tps, ".0f"), pct(packing),
             _fmt(tflops["megatron"], ".3g"), _fmt(tflops["torchtitan"], ".3g"),
             pct(mfu["megatron"]), pct(mfu["torchtitan"]), _fmt(peak_mem, ".1f"),
             _fmt(metrics["expert_imbalance_max_over_mean"], ".2f"), self._qk_clip_total, self._skipped_total,
-            format_eta(eta_s),
+            self._spikes_total, format_eta(eta_s),
         )  # fmt: skip
         if self.save_jsonl:
             with self.jsonl_path.open("a") as f:
@@ -253,6 +257,13 @@ class MetricsLogger:
         if self._tb is not None:
             for k, v in numeric.items():
                 self._tb.add_scalar(k, v, last.step)
+
+    def rewind(self, step: int) -> None:
+        """After a rollback to the checkpoint of `step`: emit the pending records, then drop those of later steps
+        from metrics.jsonl (they are trained again; the totals such as loss_spikes keep counting)."""
+        self.flush()
+        if self.is_rank0 and self.save_jsonl:
+            drop_records_after(self.jsonl_path, step)
 
     def close(self) -> None:
         self.flush()

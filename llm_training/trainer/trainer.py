@@ -11,6 +11,10 @@ Fault handling:
   * non-finite loss or gradient norm (one flag, agreed by all ranks): the step is skipped (grads zeroed, no
     optimizer / scheduler / bias update, no checkpoint) and counted; `max_consecutive_nonfinite` skipped
     steps in a row stop the run with NonFiniteLossError, leaving the last good checkpoint as it was.
+  * finite loss spike (`[loss_spike]`, llm_training/trainer/spikes.py; decided from the reduced loss and grad norm,
+    so the same on every rank): the step is not applied either (the same skip), counted and logged; policy
+    "rollback" then reloads the last checkpoint (all but the detector) and continues with the data after the
+    spike's batches. `max_consecutive` spikes in a row stop the run with LossSpikeError.
   * SIGTERM / SIGINT (Kubernetes pre-emption, Ctrl-C): a handler sets a flag; the loop finishes the
     current step, saves a checkpoint and returns cleanly (TrainResult.stopped_by_signal).
   * torch.OutOfMemoryError: re-raised naming the step and the config keys that reduce memory.
@@ -48,10 +52,12 @@ from llm_training.trainer.checkpoint import (
     rng_state,
 )
 from llm_training.trainer.components import build_components
+from llm_training.trainer.hf_export import export_hf_snapshot, hf_export_due
 from llm_training.trainer.losses import count_labelled_tokens, micro_batch_loss
 from llm_training.trainer.metrics import MFU_CONVENTIONS, MetricsLogger, StepRecord
 from llm_training.trainer.profiling import StepProfiler
 from llm_training.trainer.resume import reapply_lr_schedule, warn_changed_config
+from llm_training.trainer.spikes import LossSpikeDetector
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +70,10 @@ OOM_HINT = (
 
 class NonFiniteLossError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient norm."""
+
+
+class LossSpikeError(RuntimeError):
+    """Too many consecutive loss spikes (`[loss_spike] max_consecutive`)."""
 
 
 @dataclass
@@ -79,6 +89,7 @@ class TrainResult:
     checkpoint_folder: Path | None
     metrics_path: Path | None
     last_checkpoint: Path | None = None
+    spikes: int = 0  # loss spikes detected (not applied), this run and the runs it resumed from
     extra: dict = field(default_factory=dict)
 
 
@@ -236,12 +247,13 @@ class Trainer:
             )
         self.stop_signal = _StopSignal()
         self.nonfinite_in_a_row = 0
+        self.spike_detector = LossSpikeDetector.from_config(c.loss_spike) if c.loss_spike.enable else None
 
     # ------------------------------------------------------------------ checkpoint state
     def checkpoint_state(self) -> dict:
         """The components of one checkpoint (every rank's data loader / RNG state under one key each)."""
         world = world_size()
-        return {
+        state = {
             "model": ModelState(self.model),
             "optimizer": self.optimizers,
             "lr_scheduler": self.lr_scheduler,
@@ -249,6 +261,9 @@ class Trainer:
             "rng": RankStates(rng_state, lambda states: restore_rng_of_rank(states, self.rank, world)),
             "train_state": self.train_state,
         }
+        if self.spike_detector is not None:
+            state["spike_detector"] = self.spike_detector
+        return state
 
     def _resume_or_initial_load(self) -> None:
         ck = self.job_config.checkpoint
@@ -282,6 +297,17 @@ class Trainer:
     def _save(self, blocking: bool = False) -> None:
         if self.checkpointer is not None:
             self.checkpointer.save(self.train_state.step, self.checkpoint_state(), blocking=blocking)
+
+    def _export_hf_if_due(self, step: int) -> None:
+        """After the checkpoint of `step` is saved (and published, when async): its HF export, when
+        `[checkpoint] export_hf_every` asks for this step."""
+        ck = self.job_config.checkpoint
+        if not hf_export_due(step, self.job_config.training.steps, ck.interval, ck.export_hf_every):
+            return
+        self.checkpointer.wait()
+        export_hf_snapshot(
+            self.spec, self.model, self.run_folder, step, ck.export_dtype, self.train_state.model_config_json
+        )
 
     # ------------------------------------------------------------------ one step
     def train_step(self, micro_batches: list[dict]) -> StepRecord:
@@ -345,14 +371,20 @@ class Trainer:
 
         grad_norm = clip_grad_norm_(list(self.model.parameters()), t.max_norm)
         nonfinite = any_nonfinite_loss or not math.isfinite(grad_norm)
-        if nonfinite:
+        spike = None
+        if not nonfinite and self.spike_detector is not None:
+            spike = self.spike_detector.check(step, parts[0].item(), grad_norm)
+        if nonfinite or spike:
             self.optimizers.zero_grad()
-            self.train_state.skipped_steps += 1
-            self.nonfinite_in_a_row += 1
-            logger.warning(
-                "step %d: non-finite loss %.4g or grad norm %.4g: step skipped (%d in a row, %d in total)",
-                step, parts[0].item(), grad_norm, self.nonfinite_in_a_row, self.train_state.skipped_steps,
-            )  # fmt: skip
+            if nonfinite:
+                self.train_state.skipped_steps += 1
+                self.nonfinite_in_a_row += 1
+                logger.warning(
+                    "step %d: non-finite loss %.4g or grad norm %.4g: step skipped (%d in a row, %d in total)",
+                    step, parts[0].item(), grad_norm, self.nonfinite_in_a_row, self.train_state.skipped_steps,
+                )  # fmt: skip
+            else:
+                self._warn_spike(step, parts[0].item(), spike)
             model_metrics = self.hooks.after_step(global_stats, applied=False)
         else:
             self.nonfinite_in_a_row = 0
@@ -372,8 +404,49 @@ class Trainer:
             real_tokens=round(sums[6].item()),
             step_time_s=0.0,
             skipped=nonfinite,
+            spike=spike is not None,
             **model_metrics,
         )
+
+    # ------------------------------------------------------------------ loss spikes
+    def _warn_spike(self, step: int, loss: float, reason: str) -> None:
+        d, policy = self.spike_detector, self.job_config.loss_spike.policy
+        action = "not applied; rolling back to the last checkpoint" if policy == "rollback" else "step skipped"
+        logger.warning(
+            "step %d: loss spike, %s (loss %.4g, moving average %.4g): %s (%d in a row, %d in total)",
+            step, reason, loss, d.averages()[0], action, d.consecutive, d.total,
+        )  # fmt: skip
+
+    def _after_spike(self, step: int, metrics: MetricsLogger) -> None:
+        """Stop after `max_consecutive` spikes in a row; with policy "rollback", reload the last checkpoint."""
+        ls = self.job_config.loss_spike
+        if self.spike_detector.consecutive >= ls.max_consecutive:
+            raise LossSpikeError(
+                f"{self.spike_detector.consecutive} loss spikes in a row (last: step {step}; "
+                f"[loss_spike] max_consecutive = {ls.max_consecutive}); stopping. Lower optimizer.lr, check the "
+                "data around these steps, or raise [loss_spike] loss_factor / grad_norm_factor"
+            )
+        if ls.policy == "rollback":
+            self._roll_back_after_spike(step, metrics)
+
+    def _roll_back_after_spike(self, step: int, metrics: MetricsLogger) -> None:
+        """Reload the newest checkpoint (the detector keeps its statistics and counts), then put the data loader
+        where it was after the spike step's batches: the batches of the steps from the checkpoint up to the spike
+        are not read again. Without a checkpoint yet, the spike stays a skipped step."""
+        data_after_spike = self.dataloader.state_dict()
+        self.checkpointer.wait()  # an async save in flight is the newest checkpoint once published
+        state = {k: v for k, v in self.checkpoint_state().items() if k != "spike_detector"}
+        restored = self.checkpointer.load_latest(state)
+        if restored is None:
+            logger.warning("step %d: no checkpoint to roll back to yet; the spike step stays skipped", step)
+            return
+        reapply_lr_schedule(self.lr_scheduler)
+        self.dataloader.load_state_dict(data_after_spike)
+        metrics.rewind(restored)
+        logger.warning(
+            "rolled back from step %d to the checkpoint of step %d; the data continues after step %d's batches",
+            step, restored, step,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainResult:
@@ -430,6 +503,8 @@ class Trainer:
                 rec.step_time_s = time.perf_counter() - t0
                 losses[step] = float("nan") if rec.skipped else rec.loss
                 metrics.record(rec)
+                if rec.spike:
+                    self._after_spike(step, metrics)
                 if rec.skipped and self.nonfinite_in_a_row >= c.training.max_consecutive_nonfinite:
                     raise NonFiniteLossError(
                         f"{self.nonfinite_in_a_row} consecutive steps (last: {step}) had a non-finite loss or gradient "
@@ -444,10 +519,12 @@ class Trainer:
                     )
                     self._save(blocking=True)
                     break
-                if not rec.skipped and step % c.checkpoint.interval == 0 and step < c.training.steps:
+                if not (rec.skipped or rec.spike) and step % c.checkpoint.interval == 0 and step < c.training.steps:
                     self._save()
+                    self._export_hf_if_due(step)
             if not self._stop_requested and self.train_state.step == c.training.steps:
                 self._save(blocking=True)
+                self._export_hf_if_due(self.train_state.step)
         finally:
             profiler.close()
             torch.use_deterministic_algorithms(was_deterministic)
@@ -470,6 +547,7 @@ class Trainer:
             checkpoint_folder=ck.folder if ck else None,
             metrics_path=metrics.jsonl_path if self.job_config.metrics.save_jsonl else None,
             last_checkpoint=ck.step_dir(latest) if latest is not None else None,
+            spikes=self.spike_detector.total if self.spike_detector is not None else 0,
         )
         if self.rank == 0:
             lines = [f"run folder: {result.run_folder}"]
