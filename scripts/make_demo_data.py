@@ -7,7 +7,13 @@ within a few hundred steps: two-digit arithmetic, word reversal, counting, made-
 fixed table, system prompts that change the answer format (upper case, terse), multi-turn follow-ups and a
 few raw-text samples (one assistant turn, trained on fully).
 
-    python scripts/make_demo_data.py [--out PATH] [--num-samples N] [--seed S]
+    python scripts/make_demo_data.py [--out PATH] [--num-samples N] [--seed S] [--exclude PATH]
+
+The held-out validation file (`demo_chat_val.jsonl`, `[validation]` of debug_cpu.toml): samples of another seed
+that are not in the training file,
+
+    python scripts/make_demo_data.py --out llm_training/data/assets/demo_chat_val.jsonl --num-samples 200 \
+        --seed 4321 --exclude llm_training/data/assets/demo_chat.jsonl
 """
 
 from __future__ import annotations
@@ -144,12 +150,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--num-samples", type=int, default=4000)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--exclude", type=Path, help="a jsonl file whose samples are not written (held-out data)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    excluded = set(args.exclude.read_text(encoding="utf-8").splitlines()) if args.exclude else set()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
-        for _ in range(args.num_samples):
-            f.write(json.dumps(make_sample(rng), ensure_ascii=False) + "\n")
+        written = 0
+        while written < args.num_samples:
+            line = json.dumps(make_sample(rng), ensure_ascii=False)
+            if line not in excluded:
+                f.write(line + "\n")
+                written += 1
     print(f"wrote {args.num_samples} samples to {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)")
 
 

@@ -182,6 +182,24 @@ class HuggingFaceDataset:
 
 
 @dataclass
+class Validation:
+    """Evaluation on held-out data while training: the training loss (same packing and loss masks, read with the
+    [huggingface_dataset] settings but in file order), without gradients, on the same batches every time."""
+
+    enable: bool = option(False, "evaluate on dataset_path every freq steps and at the last step")
+    dataset_path: str = option(
+        "", "validation data: local jsonl file (or folder of them) or datasets save_to_disk directory"
+    )
+    split: str = option("", "split of a save_to_disk DatasetDict to evaluate on (empty: [huggingface_dataset] split)")
+    freq: int = option(100, "evaluate after every this many optimizer steps (and after the last one)")
+    steps: int = option(
+        10,
+        "validation batches per evaluation, each local_batch_size x seq_len per data-parallel rank: the first ones "
+        "of dataset_path (from its start again when it has fewer)",
+    )
+
+
+@dataclass
 class Optimizer:
     name: str = option(
         "muon", "muon (Muon for hidden matrices + AdamW for the rest) or adamw everywhere", choices=("muon", "adamw")
@@ -346,6 +364,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     loss_spike: LossSpike = field(default_factory=LossSpike)
     huggingface_dataset: HuggingFaceDataset = field(default_factory=HuggingFaceDataset)
+    validation: Validation = field(default_factory=Validation)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)

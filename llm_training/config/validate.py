@@ -156,6 +156,15 @@ def validate_config(c: "JobConfig") -> None:
         f"[huggingface_dataset] max_bad_fraction must be in [0, 1], got {hf.max_bad_fraction}",
     )
 
+    v = c.validation
+    _require(v.freq >= 1, f"[validation] freq must be >= 1 (evaluate every this many steps), got {v.freq}")
+    _require(v.steps >= 1, f"[validation] steps must be >= 1 (batches per evaluation), got {v.steps}")
+    _require(
+        not v.enable or bool(v.dataset_path),
+        "[validation] enable = true needs [validation] dataset_path: set it to the held-out data (a *.jsonl file, "
+        "a folder of them or a datasets.save_to_disk directory), or set enable = false",
+    )
+
     o = c.optimizer
     _require(o.lr > 0, f"[optimizer] lr must be > 0, got {o.lr}")
     _require(o.weight_decay >= 0, f"[optimizer] weight_decay must be >= 0, got {o.weight_decay}")
@@ -261,22 +270,35 @@ def grad_accumulation_steps(c: "JobConfig", dp_size: int) -> int:
 OPTIONAL_METRICS_PACKAGES = (("enable_tensorboard", "tensorboard", "tensorboard"), ("enable_wandb", "wandb", "wandb"))
 
 
+def _validation_keys(message: str) -> str:
+    """A data-set error about the validation data: the data layer names the [training] dataset_path and
+    [huggingface_dataset] split keys; the keys the user sets for this data set are [validation]'s."""
+    return message.replace("[training] dataset_path", "[validation] dataset_path").replace(
+        "[huggingface_dataset] split", "[validation] split"
+    )
+
+
 def validate_environment(c: "JobConfig") -> None:
     """Checks of the files and packages the config needs, so that they fail as config errors (exit 2) at start-up:
     the tokenizer directory (loads, has a chat template, eos and pad tokens), the data set (exists, has a record,
-    the split and conversations column exist), CUDA and triton for the [kernels] that run Triton, flash-attn-4
+    the split and conversations column exist; the validation data set too when enabled), CUDA and triton for the [kernels] that run Triton, flash-attn-4
     for attention = 'fa4' and the packages of the enabled metrics sinks."""
     from llm_training.data import build_tokenizer, check_dataset  # imported here: transformers is slow to import
 
-    hf = c.huggingface_dataset
-    for check in (
-        lambda: build_tokenizer(c.model.tokenizer_path),
-        lambda: check_dataset(c.training.dataset_path, hf.conversations_field, hf.split),
-    ):
+    hf, v = c.huggingface_dataset, c.validation
+    checks = [
+        (lambda: build_tokenizer(c.model.tokenizer_path), str),
+        (lambda: check_dataset(c.training.dataset_path, hf.conversations_field, hf.split), str),
+    ]
+    if v.enable:
+        checks.append(
+            (lambda: check_dataset(v.dataset_path, hf.conversations_field, v.split or hf.split), _validation_keys)
+        )
+    for check, message_of in checks:
         try:
             check()
         except (OSError, ValueError, KeyError, ImportError) as e:
-            raise ConfigError(str(e.args[0]) if isinstance(e, KeyError) else str(e)) from None
+            raise ConfigError(message_of(str(e.args[0]) if isinstance(e, KeyError) else str(e))) from None
     if c.kernels.mhc_backward == "fused":
         import torch
         from activation.backend import TRITON_AVAILABLE

@@ -196,6 +196,8 @@ def linear_cross_entropy_segments(
     hidden_TH = h_TH[0] if len(h_TH) == 1 else torch.cat(h_TH)
     labels_T = y_T[0] if len(y_T) == 1 else torch.cat(y_T)
     chunk = chunk_tokens or default_chunk_tokens(weight_VH.shape[0])
+    if not torch.is_grad_enabled():  # no backward will follow (evaluation): skip the gradients forward precomputes
+        hidden_TH, weight_VH = hidden_TH.detach(), weight_VH.detach()
     return _ChunkedLinearCrossEntropy.apply(
         hidden_TH, weight_VH, labels_T, token_weight_T, tuple(ends), chunk, compiled
     )

@@ -3,7 +3,8 @@ optional wandb / TensorBoard sinks (imported lazily).
 
 metrics.jsonl is strict JSON, one object per line (`null` for a non-finite or missing value), and holds one
 record per logged step across resumes: a resumed run first drops the records of steps after the checkpoint
-it resumed from (written by the crashed run, now trained again). `lr` is the rate the step used.
+it resumed from (written by the crashed run, now trained again). `lr` is the rate the step used. With
+`[validation]` each evaluation adds its own record: `step` and the `val_*` values (`record_validation`).
 
 MFU is reported in both conventions of docs/architecture.md §7 (`training_flops_per_token(args, seq_len,
 "megatron"|"torchtitan")`) against the dense bf16 peak of the detected GPU; on CPU it is n/a. Beside the
@@ -264,6 +265,26 @@ class MetricsLogger:
         self.flush()
         if self.is_rank0 and self.save_jsonl:
             drop_records_after(self.jsonl_path, step)
+
+    def record_validation(self, step: int, values: dict[str, float | int]) -> None:
+        """Log one evaluation (`ValidationResult.metrics()`: val_loss, val_ppl, val_mtp_loss, val_tokens,
+        val_time_s) after `step`: one line, and its own record in metrics.jsonl / W&B / TensorBoard (rank 0)."""
+        if not self.is_rank0:
+            return
+        logger.info(
+            "validation step %d: loss %.4f  ppl %.4g  mtp %.4f  (%s tokens, %.1f s)",
+            step, values["val_loss"], values["val_ppl"], values["val_mtp_loss"], f"{values['val_tokens']:,}",
+            values["val_time_s"],
+        )  # fmt: skip
+        if self.save_jsonl:
+            with self.jsonl_path.open("a") as f:
+                f.write(strict_json_record({"step": step, **values}) + "\n")
+        numeric = {k: v for k, v in values.items() if v is not None and math.isfinite(v)}
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+        if self._tb is not None:
+            for k, v in numeric.items():
+                self._tb.add_scalar(k, v, step)
 
     def close(self) -> None:
         self.flush()

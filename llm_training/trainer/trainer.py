@@ -1,6 +1,7 @@
 """The train loop (docs/architecture.md §2 step 5): build model / data / optimizers, resume, then per step
 forward -> loss -> backward per micro-batch -> grad clip -> Muon/AdamW step -> QK-clip -> expert-bias
-update -> LR step -> metrics -> checkpoint (interval, SIGTERM/SIGINT, end).
+update -> LR step -> metrics -> validation (`[validation] freq`, end; trainer/validation.py) -> checkpoint
+(interval, SIGTERM/SIGINT, end).
 
 Entry point for `llm_training/train.py`: `llm_training.trainer.train(job_config, parallel_dims, device)`, after
 `llm_training.distributed.utils.setup_distributed` resolved the device, the process group and the mesh (once).
@@ -58,6 +59,7 @@ from llm_training.trainer.metrics import MFU_CONVENTIONS, MetricsLogger, StepRec
 from llm_training.trainer.profiling import StepProfiler
 from llm_training.trainer.resume import reapply_lr_schedule, warn_changed_config
 from llm_training.trainer.spikes import LossSpikeDetector
+from llm_training.trainer.validation import Validator, build_validation_loader
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +246,17 @@ class Trainer:
                 c.checkpoint.keep_latest_k,
                 c.checkpoint.async_mode,
                 c.checkpoint.on_damaged,
+            )
+        self.validator = None
+        if c.validation.enable:
+            self.validator = Validator(
+                build_validation_loader(c, self.tokenizer, self.dp_rank, self.dp_size),
+                c.validation.steps,
+                spec,
+                self.num_mtp,
+                self.parallel.context_parallel,
+                self.device,
+                compiled_loss=self.compile_loss,
             )
         self.stop_signal = _StopSignal()
         self.nonfinite_in_a_row = 0
@@ -519,6 +532,8 @@ class Trainer:
                     )
                     self._save(blocking=True)
                     break
+                if self.validator is not None and (step % c.validation.freq == 0 or step == c.training.steps):
+                    metrics.record_validation(step, self.validator.evaluate(self.model, step).metrics())
                 if not (rec.skipped or rec.spike) and step % c.checkpoint.interval == 0 and step < c.training.steps:
                     self._save()
                     self._export_hf_if_due(step)

@@ -84,12 +84,20 @@ def test_global_batch_not_multiple_of_local():
         ("--metrics.log_freq=0", "log_freq"),
         ("--job.run_name=a/b", "run_name"),
         ("--parallelism.data_parallel_shard_degree=0", "data_parallel_shard_degree"),
+        ("--validation.freq=0", "[validation] freq"),
+        ("--validation.steps=-1", "[validation] steps"),
     ],
 )
 def test_out_of_range_values_name_the_key(arg, key):
     with pytest.raises(ConfigError) as e:
         parse(arg)
     assert key in str(e.value)
+
+
+def test_validation_enabled_without_dataset_path_names_the_key():
+    with pytest.raises(ConfigError) as e:
+        parse("--validation.enable")
+    assert "[validation] dataset_path" in str(e.value) and "enable = false" in str(e.value)
 
 
 def test_choice_sets_are_the_registries():

@@ -66,6 +66,27 @@ def test_split_not_in_the_dataset(tmp_path, capsys):
     assert "[huggingface_dataset] split: 'validation' is not in" in err and "available splits: ['train']" in err
 
 
+def test_validation_enabled_without_dataset_path(capsys):
+    err = _error(capsys, "--validation.enable")
+    assert "[validation] enable = true needs [validation] dataset_path" in err
+
+
+def test_missing_validation_dataset_path(tmp_path, capsys):
+    err = _error(capsys, "--validation.enable", f"--validation.dataset_path={tmp_path / 'held_out.jsonl'}")
+    assert "[validation] dataset_path" in err and "held_out.jsonl' does not exist" in err
+    assert "[training] dataset_path" not in err
+
+
+def test_validation_split_not_in_the_dataset(tmp_path, capsys):
+    datasets = pytest.importorskip("datasets")
+    turns = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]]
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"conversations": turns})}).save_to_disk(tmp_path)
+    err = _error(
+        capsys, "--validation.enable", f"--validation.dataset_path={tmp_path}", "--validation.split=validation"
+    )
+    assert "[validation] split: 'validation' is not in" in err and "available splits: ['train']" in err
+
+
 @pytest.mark.parametrize("flag, package", [("enable_tensorboard", "tensorboard"), ("enable_wandb", "wandb")])
 def test_missing_optional_package(flag, package, capsys, monkeypatch):
     import importlib.util

@@ -102,6 +102,23 @@ def test_chunked_ce_all_ignored_chunk_and_no_grad():
     torch.testing.assert_close(loss.double(), _reference_ce_sum(hidden, weight, labels), rtol=1e-5, atol=1e-5)
 
 
+def test_chunked_ce_under_no_grad_skips_the_gradients(monkeypatch):
+    """Evaluation (no_grad, parameters that require grad): the same losses, and no gradient is precomputed."""
+    import llm_training.trainer.losses as losses
+
+    hidden, weight, labels = _inputs()
+    weight.requires_grad_(True)
+    expected = linear_cross_entropy_segments([hidden], weight, [labels], [0.5])
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a weight gradient was computed under no_grad")
+
+    monkeypatch.setattr(losses, "_accumulate_weight_grad", fail)
+    with torch.no_grad():
+        total, per_segment = linear_cross_entropy_segments([hidden], weight, [labels], [0.5])
+    assert torch.equal(total, expected[0].detach()) and torch.equal(per_segment, expected[1])
+
+
 class _LargestAllocation(TorchDispatchMode):
     """Records the largest tensor produced by any aten op (numel)."""
 
