@@ -562,24 +562,31 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{key} = {value!r}; expected one of {list(choices)}")
 
 
-def build_dataloader(job_config, tokenizer, dp_rank: int, dp_world_size: int) -> PackedDataLoader:
-    """The data loader of one data-parallel rank from the `[training]` and `[huggingface_dataset]` config."""
+def build_dataloader(
+    job_config, tokenizer, dp_rank: int, dp_world_size: int, validation: bool = False
+) -> PackedDataLoader:
+    """The data loader of one data-parallel rank from the `[training]` and `[huggingface_dataset]` config; with
+    `validation`, of `[validation] dataset_path` (and split) with the same settings, in file order and without a
+    prefetch thread (the validator reads it again from its start at every evaluation)."""
     training, hf = job_config.training, job_config.huggingface_dataset
     if training.dataset != "huggingface":
         raise ValueError(f"[training] dataset = {training.dataset!r}; the only data set type is 'huggingface'")
     # Records are always read lazily from disk (jsonl through a line-offset index, save_to_disk as
     # memory-mapped arrow) and tokenized on the fly, so there is no separate streaming mode.
-    records = open_records(training.dataset_path, hf.conversations_field, hf.split)
+    v = job_config.validation
+    path, split = (v.dataset_path, v.split or hf.split) if validation else (training.dataset_path, hf.split)
+    records = open_records(path, hf.conversations_field, split)
     source = ChatDocumentSource(records, ChatTokenizer(tokenizer), seq_len=training.seq_len, overlong=hf.overlong)
     return PackedDataLoader(
         source,
         seq_len=training.seq_len,
         local_batch_size=training.local_batch_size,
         packing=hf.packing,
-        shuffle=hf.shuffle,
+        shuffle=hf.shuffle and not validation,
         shuffle_seed=hf.shuffle_seed,
         bad_record_policy=hf.bad_record_policy,
         max_bad_fraction=hf.max_bad_fraction,
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
+        prefetch_batches=0 if validation else 2,
     )

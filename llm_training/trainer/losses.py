@@ -250,6 +250,39 @@ class StepLoss:
     balance: torch.Tensor  # detached
 
 
+def forward_loss(
+    model,
+    head_weight,
+    cpu_batch,
+    attention_document_ids,
+    device: torch.device,
+    normalisers: torch.Tensor,
+    mtp_loss_weight: float,
+    balance_scale: float,
+    compiled: bool = False,
+):
+    """(model output, StepLoss) of one prepared micro-batch (`trainer.batch.PreparedBatch`, on the CPU) moved to
+    `device`: the forward with the hidden states the fused loss needs, then `micro_batch_loss`. The training step
+    and the validator both run a micro-batch through this. `attention_document_ids`: the whole sequences' document
+    ids under context parallelism (`shard_batch`), else None. `head_weight(model)` gives the output projection
+    (`ModelSpec.head_weight`); it is read AFTER the forward, when FSDP2 has gathered it (before, it is a shard)."""
+    b = cpu_batch.map(lambda x: x.to(device, non_blocking=True))
+    if attention_document_ids is not None:
+        attention_document_ids = attention_document_ids.to(device, non_blocking=True)
+    out = model(
+        b.input_ids,
+        b.position_ids,
+        b.document_ids,
+        b.mtp_input_ids,
+        return_hidden=True,
+        attention_document_ids=attention_document_ids,
+    )
+    loss = micro_batch_loss(
+        out, head_weight(model), b.labels, b.mtp_labels, normalisers, mtp_loss_weight, balance_scale, compiled=compiled
+    )
+    return out, loss
+
+
 def micro_batch_loss(
     out,
     lm_head_weight: torch.Tensor,

@@ -43,7 +43,7 @@ from llm_training.distributed.context_parallel import shard_batch
 from llm_training.distributed.utils import all_reduce_, clip_grad_norm_, rank, world_size
 from llm_training.model_spec import StepStat
 from llm_training.motif.spec import MOTIF3_SPEC
-from llm_training.trainer.batch import PreparedBatch, prepare_batch
+from llm_training.trainer.batch import prepare_batch
 from llm_training.trainer.checkpoint import (
     CheckpointManager,
     ModelState,
@@ -54,12 +54,12 @@ from llm_training.trainer.checkpoint import (
 )
 from llm_training.trainer.components import build_components
 from llm_training.trainer.hf_export import export_hf_snapshot, hf_export_due
-from llm_training.trainer.losses import count_labelled_tokens, micro_batch_loss
+from llm_training.trainer.losses import count_labelled_tokens, forward_loss
 from llm_training.trainer.metrics import MFU_CONVENTIONS, MetricsLogger, StepRecord
 from llm_training.trainer.profiling import StepProfiler
 from llm_training.trainer.resume import reapply_lr_schedule, warn_changed_config
 from llm_training.trainer.spikes import LossSpikeDetector
-from llm_training.trainer.validation import Validator, build_validation_loader
+from llm_training.trainer.validation import Validator
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ class Trainer:
         self.validator = None
         if c.validation.enable:
             self.validator = Validator(
-                build_validation_loader(c, self.tokenizer, self.dp_rank, self.dp_size),
+                build_dataloader(c, self.tokenizer, self.dp_rank, self.dp_size, validation=True),
                 c.validation.steps,
                 spec,
                 self.num_mtp,
@@ -348,22 +348,12 @@ class Trainer:
         stats: dict[str, StepStat] = {}
         for k, (cpu_batch, attention_docs) in enumerate(local):
             self.parallel.set_gradient_sync(last_micro_batch=k == len(batches) - 1)
-            b: PreparedBatch = cpu_batch.map(lambda x: x.to(self.device, non_blocking=True))
-            if attention_docs is not None:
-                attention_docs = attention_docs.to(self.device, non_blocking=True)
-            out = self.model(
-                b.input_ids,
-                b.position_ids,
-                b.document_ids,
-                b.mtp_input_ids,
-                return_hidden=True,
-                attention_document_ids=attention_docs,
-            )
-            loss = micro_batch_loss(
-                out,
-                self.spec.head_weight(self.model),
-                b.labels,
-                b.mtp_labels,
+            out, loss = forward_loss(
+                self.model,
+                self.spec.head_weight,
+                cpu_batch,
+                attention_docs,
+                self.device,
                 normalisers,
                 t.mtp_loss_weight,
                 balance_scale,

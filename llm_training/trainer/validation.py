@@ -1,8 +1,7 @@
 """Validation: the training loss on held-out data (`[validation]`), evaluated every `freq` optimizer steps.
 
-`build_validation_loader` reads `[validation] dataset_path` with the training data machinery (`ChatDocumentSource`
-+ `PackedDataLoader`: the same chat rendering, loss masks, packing and seq_len; sharded by data-parallel rank) in
-file order. `Validator.evaluate` rewinds that loader to its start and runs `steps` batches through the model in
+`data.build_dataloader(..., validation=True)` reads `[validation] dataset_path` with the training data machinery
+(the same chat rendering, loss masks, packing and seq_len; sharded by data-parallel rank) in file order. `Validator.evaluate` rewinds that loader to its start and runs `steps` batches through the model in
 eval mode under `torch.no_grad()`, so every evaluation sees the same batches and numbers compare across steps.
 
 The loss is the training loss without the balance term (`trainer.losses.micro_batch_loss`; batches prepared with
@@ -21,14 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from llm_training.data.chat import ChatTokenizer
-from llm_training.data.chat_source import ChatDocumentSource
 from llm_training.data.dataloader import PackedDataLoader
-from llm_training.data.records import open_records
 from llm_training.distributed.context_parallel import shard_batch
 from llm_training.distributed.utils import all_reduce_
 from llm_training.trainer.batch import prepare_batch
-from llm_training.trainer.losses import count_labelled_tokens, micro_batch_loss
+from llm_training.trainer.losses import count_labelled_tokens, forward_loss
 
 
 @dataclass
@@ -54,26 +50,6 @@ class ValidationResult:
             "val_tokens": self.tokens,
             "val_time_s": self.time_s,
         }
-
-
-def build_validation_loader(job_config, tokenizer, dp_rank: int, dp_world_size: int) -> PackedDataLoader:
-    """This data-parallel rank's loader of `[validation] dataset_path`: the training loader's settings (seq_len,
-    local_batch_size, [huggingface_dataset] packing / overlong / bad records), file order, no prefetch thread."""
-    t, hf, v = job_config.training, job_config.huggingface_dataset, job_config.validation
-    records = open_records(v.dataset_path, hf.conversations_field, v.split or hf.split)
-    source = ChatDocumentSource(records, ChatTokenizer(tokenizer), seq_len=t.seq_len, overlong=hf.overlong)
-    return PackedDataLoader(
-        source,
-        seq_len=t.seq_len,
-        local_batch_size=t.local_batch_size,
-        packing=hf.packing,
-        shuffle=False,
-        bad_record_policy=hf.bad_record_policy,
-        max_bad_fraction=hf.max_bad_fraction,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        prefetch_batches=0,
-    )
 
 
 class Validator:
@@ -116,22 +92,12 @@ class Validator:
         model.eval()
         try:
             for cpu_batch, attention_docs in local:
-                b = cpu_batch.map(lambda x: x.to(self.device, non_blocking=True))
-                if attention_docs is not None:
-                    attention_docs = attention_docs.to(self.device, non_blocking=True)
-                out = model(
-                    b.input_ids,
-                    b.position_ids,
-                    b.document_ids,
-                    b.mtp_input_ids,
-                    return_hidden=True,
-                    attention_document_ids=attention_docs,
-                )
-                loss = micro_batch_loss(
-                    out,
-                    self.spec.head_weight(model),
-                    b.labels,
-                    b.mtp_labels,
+                _, loss = forward_loss(
+                    model,
+                    self.spec.head_weight,
+                    cpu_batch,
+                    attention_docs,
+                    self.device,
                     normalisers,
                     mtp_loss_weight=1.0,  # only the total uses the weight; mtp is reported unweighted
                     balance_scale=0.0,
@@ -150,4 +116,4 @@ class Validator:
         )
 
 
-__all__ = ["ValidationResult", "Validator", "build_validation_loader"]
+__all__ = ["ValidationResult", "Validator"]

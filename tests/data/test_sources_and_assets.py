@@ -68,7 +68,7 @@ def test_build_dataloader_from_job_config(hf_tokenizer):
     loaders = [build_dataloader(job, hf_tokenizer, rank, 2) for rank in range(2)]
     batches = [loader.next_batch() for loader in loaders]
     for batch in batches:
-        assert set(batch) == {"input_ids", "labels", "position_ids", "document_ids"}
+        assert set(batch) == {"input_ids", "labels", "position_ids", "document_ids", "real_tokens"}
         assert all(v.shape == (3, 128) for v in batch.values())
     assert not torch.equal(batches[0]["input_ids"], batches[1]["input_ids"])
     job.training.dataset = "c4"

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-import llm_training.trainer.trainer as trainer_module
+import llm_training.trainer.losses as losses_module
 from llm_training.config import ConfigError
 from llm_training.distributed import ParallelDims
 from llm_training.trainer import LossSpikeError, Trainer
@@ -122,7 +122,7 @@ def test_rollback_without_checkpoints_exits_2(capsys):
 # ------------------------------------------------------------------------------ training runs
 def _scale_loss_once(monkeypatch, trainer, step, factor=50.0):
     """Multiply every micro-batch loss of the first pass through `step` by `factor` (a finite spike)."""
-    real = trainer_module.micro_batch_loss
+    real = losses_module.micro_batch_loss
     fired = set()
 
     def scaled(*args, **kwargs):
@@ -131,7 +131,7 @@ def _scale_loss_once(monkeypatch, trainer, step, factor=50.0):
             return loss
         return dataclasses.replace(loss, total=loss.total * factor, ce=loss.ce * factor)
 
-    monkeypatch.setattr(trainer_module, "micro_batch_loss", scaled)
+    monkeypatch.setattr(losses_module, "micro_batch_loss", scaled)
     original_step = trainer.train_step
 
     def step_then_mark(micro_batches):
@@ -184,13 +184,13 @@ def test_consecutive_spikes_stop_the_run(make_config, monkeypatch):
         DIMS,
         CPU,
     )
-    real = trainer_module.micro_batch_loss
+    real = losses_module.micro_batch_loss
 
     def spike_from_3(*args, **kwargs):
         loss = real(*args, **kwargs)
         return dataclasses.replace(loss, total=loss.total * 50) if trainer.train_state.step >= 3 else loss
 
-    monkeypatch.setattr(trainer_module, "micro_batch_loss", spike_from_3)
+    monkeypatch.setattr(losses_module, "micro_batch_loss", spike_from_3)
     with pytest.raises(LossSpikeError, match=r"2 loss spikes in a row \(last: step 4; \[loss_spike\] max_consecutive"):
         trainer.fit()
 

@@ -21,7 +21,7 @@ from llm_training.distributed import ParallelDims
 from llm_training.trainer import Trainer, train
 from llm_training.trainer.batch import prepare_batch
 from llm_training.trainer.losses import IGNORE_INDEX
-from llm_training.trainer.validation import build_validation_loader
+from llm_training.data import build_dataloader
 
 DIMS = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
 CPU = torch.device("cpu")
@@ -68,7 +68,7 @@ def hand_validation_loss(trainer, raw_batches) -> tuple[float, float, int]:
 
 def test_validation_loss_is_the_training_loss_of_the_first_batches_without_gradients(trainer):
     assert trainer.num_mtp >= 1  # motif3_debug has an MTP module: its loss is checked too
-    fresh = build_validation_loader(trainer.job_config, trainer.tokenizer, dp_rank=0, dp_world_size=1)
+    fresh = build_dataloader(trainer.job_config, trainer.tokenizer, 0, 1, validation=True)
     expected_loss, expected_mtp, expected_tokens = hand_validation_loss(trainer, [fresh.next_batch() for _ in range(3)])
 
     trainer.model.train()
