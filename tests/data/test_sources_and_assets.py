@@ -69,7 +69,8 @@ def test_build_dataloader_from_job_config(hf_tokenizer):
     batches = [loader.next_batch() for loader in loaders]
     for batch in batches:
         assert set(batch) == {"input_ids", "labels", "position_ids", "document_ids", "real_tokens"}
-        assert all(v.shape == (3, 128) for v in batch.values())
+        assert all(v.shape == (3, 128) for k, v in batch.items() if k != "real_tokens")
+        assert batch["real_tokens"].shape == (3,) and (batch["real_tokens"] <= 128).all()
     assert not torch.equal(batches[0]["input_ids"], batches[1]["input_ids"])
     job.training.dataset = "c4"
     with pytest.raises(ValueError, match="dataset = 'c4'"):
