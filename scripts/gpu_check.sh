@@ -14,8 +14,15 @@ mkdir -p "$OUT"
 source "$ROOT/scripts/device/wheels.sh"  # our packages + the optional wheels carried in .whl/ (and .cu13/)
 # The whole GPU suite (every test marked gpu, in every test folder): the log, and a summary (machine, library
 # versions, pytest's closing line, each failure) in $OUT/gpu_suite_summary.txt. Its exit status is pytest's.
+# The tests run in GPU_SUITE_WORKERS pytest-xdist processes (default 4) sharing the one GPU: most of the suite's
+# time is torch.compile / Triton compilation on the CPU, which the machine's cores then do side by side (each test
+# takes at most a few GiB of the GPU's memory; GPU_SUITE_WORKERS=0 runs them in one process).
 gpu_suite() {
-  python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" --timeout 300 --durations=15 \
+  local workers=()
+  if [ "${GPU_SUITE_WORKERS:-4}" -gt 0 ] && python3 -c "import xdist" 2>/dev/null; then
+    workers=(-n "${GPU_SUITE_WORKERS:-4}" --dist worksteal)
+  fi
+  python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" --timeout 300 --durations=15 "${workers[@]}" \
     tests activations/tests optimizer/tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -60
   local rc=${PIPESTATUS[0]}
   {
