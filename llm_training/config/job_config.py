@@ -305,7 +305,8 @@ class Compile:
     )
     cache_folder: str = option(
         "compile_cache",
-        "the compiled-kernel caches (torch.compile's graphs and Triton kernels, our Triton kernels, flash-attn-4's), "
+        "the compiled-kernel caches (torch.compile's graphs and Triton kernels, our Triton kernels, flash-attn-4's, "
+        "Triton's autotuning results), "
         "relative to <dump_folder>/<run_name>/: a restarted or resumed run reuses them instead of compiling again; "
         "empty: each library's default under /tmp or ~, lost with the container. TORCHINDUCTOR_CACHE_DIR, "
         "TRITON_CACHE_DIR, FLASH_ATTENTION_CUTE_DSL_CACHE_DIR, when set, win",

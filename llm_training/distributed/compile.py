@@ -45,14 +45,24 @@ KERNEL_CACHE_VARIABLES = (
 )
 
 
+# Persistent caches that are off by default, switched on beside the folders (an environment value, "0" say, wins):
+CACHE_SWITCHES = (
+    "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",  # flash-attn-4's compiled CuTe DSL kernels
+    # Triton's autotuning results, in TRITON_CACHE_DIR: torchao's FP8 kernels are @triton.autotune'd (its blockwise
+    # quantization kernels over 45 configs per shape, minutes of a first fp8_blockwise step on the H200); Triton
+    # reads the switch when a kernel is defined, i.e. when torchao's kernels are imported, after this runs
+    "TRITON_CACHE_AUTOTUNING",
+)
+
+
 def use_kernel_caches(folder: Path | None) -> dict[str, str]:
     """Point the on-disk caches of compiled kernels (`KERNEL_CACHE_VARIABLES`) at `folder` and its sub-folders, and
-    turn flash-attn-4's persistent cache on (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1), so that a run restarted in
-    the same run folder loads its compiled blocks and kernels instead of compiling them again (the caches are keyed
-    on the code, the library versions and the device: a changed model or config compiles anew; ranks may share the
-    folder). A variable the environment sets already (non-empty) wins, and FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0
-    keeps flash-attn-4's cache off; `folder` None changes nothing (each library's default, under /tmp or ~, lost
-    with the container). The libraries create the folders as they write. flash-attn-4 reads its variables once, when
+    turn the persistent caches of `CACHE_SWITCHES` on (flash-attn-4's kernels, Triton's autotuning results), so that
+    a run restarted in the same run folder loads its compiled blocks, kernels and tuned configs instead of compiling
+    and tuning them again (the caches are keyed on the code, the library versions and the device: a changed model or
+    config compiles anew; ranks may share the folder). A variable the environment sets already (non-empty) wins: a
+    switch set to 0 keeps its cache off; `folder` None changes nothing (each library's default, under /tmp or ~,
+    lost with the container). The libraries create the folders as they write. flash-attn-4 reads its variables once, when
     `flash_attn.cute` is first imported, so this runs before anything imports it (train.py: before validating the
     environment). Returns {variable: folder} of the caches set, by this call or the environment."""
     if folder is not None:
@@ -60,8 +70,9 @@ def use_kernel_caches(folder: Path | None) -> dict[str, str]:
         for name, sub in KERNEL_CACHE_VARIABLES:
             if not os.environ.get(name):  # unset or empty
                 os.environ[name] = str(root / sub) if sub else str(root)
-        if not os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"):
-            os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"
+        for switch in CACHE_SWITCHES:
+            if not os.environ.get(switch):
+                os.environ[switch] = "1"
     return {name: os.environ[name] for name, _ in KERNEL_CACHE_VARIABLES if os.environ.get(name)}
 
 

@@ -125,9 +125,10 @@ def test_compile_progress_logs_while_the_body_runs_and_stops_after():
 def test_kernel_caches_go_to_the_run_folder_unless_the_environment_names_them(tmp_path, monkeypatch):
     from torch._inductor.runtime.cache_dir_utils import cache_dir, triton_cache_dir
 
-    from llm_training.distributed.compile import KERNEL_CACHE_VARIABLES, use_kernel_caches
+    from llm_training.distributed.compile import CACHE_SWITCHES, KERNEL_CACHE_VARIABLES, use_kernel_caches
 
-    names = [name for name, _ in KERNEL_CACHE_VARIABLES] + ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"]
+    names = [name for name, _ in KERNEL_CACHE_VARIABLES] + list(CACHE_SWITCHES)
+    assert "TRITON_CACHE_AUTOTUNING" in CACHE_SWITCHES  # torchao's autotuned FP8 kernels tune once per cache
     for name in names:  # set, then delete: monkeypatch restores each variable as it was, set or not
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
@@ -139,7 +140,7 @@ def test_kernel_caches_go_to_the_run_folder_unless_the_environment_names_them(tm
         "TRITON_CACHE_DIR": f"{root}/triton",
         "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": f"{root}/flash_attn_cute",
     }
-    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == os.environ["TRITON_CACHE_AUTOTUNING"] == "1"
     assert cache_dir() == root and triton_cache_dir(0).startswith(root)  # inductor reads them as it compiles
     # what the environment sets wins, including flash-attn-4's cache left off
     for name in names:
