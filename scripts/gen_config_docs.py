@@ -45,8 +45,10 @@ def render() -> str:
                 lines += [
                     f"### [[{name}.{f.name}]]",
                     "",
-                    f"Each `[[{name}.{f.name}]]` table of the TOML file has these keys (on the command line: "
-                    f"`--{name}.{f.name}.N.KEY=VALUE` sets one key of table N, counted from 0).",
+                    (
+                        f"Each `[[{name}.{f.name}]]` table of the TOML file has these keys (on the command line: "
+                        f"`--{name}.{f.name}.N.KEY=VALUE` sets one key of table N, counted from 0)."
+                    ),
                     "",
                     *_key_table(table),
                     "",

@@ -29,7 +29,7 @@ class TrainedSet:
         self.holes = np.setdiff1d(np.arange(self.prefix, self.base, dtype=np.int64), self.beyond, assume_unique=True)
 
     @classmethod
-    def of(cls, positions) -> "TrainedSet":
+    def of(cls, positions) -> TrainedSet:
         """The set of `positions` (any order, repeats allowed)."""
         return cls().union(positions)
 
@@ -37,13 +37,13 @@ class TrainedSet:
         return {"prefix": self.prefix, "beyond": self.beyond.tolist()}
 
     @classmethod
-    def from_json(cls, encoded: dict) -> "TrainedSet":
+    def from_json(cls, encoded: dict) -> TrainedSet:
         return cls(encoded["prefix"], np.asarray(encoded["beyond"], dtype=np.int64))
 
     def __len__(self) -> int:
         return self.prefix + len(self.beyond)
 
-    def union(self, positions) -> "TrainedSet":
+    def union(self, positions) -> TrainedSet:
         """This set plus `positions`."""
         positions = np.asarray(positions, dtype=np.int64)
         explicit = np.union1d(self.beyond, positions[positions >= self.prefix])
@@ -51,7 +51,7 @@ class TrainedSet:
         grow = int(run[0]) if len(run) else len(explicit)
         return TrainedSet(self.prefix + grow, explicit[grow:])
 
-    def without(self, positions) -> "TrainedSet":
+    def without(self, positions) -> TrainedSet:
         """This set minus `positions`."""
         positions = np.unique(np.asarray(positions, dtype=np.int64))
         below = positions[positions < self.prefix]
@@ -73,7 +73,7 @@ class TrainedSet:
         """Untrained positions of an epoch of `num_records` records."""
         return int(np.searchsorted(self.holes, num_records)) + max(0, num_records - self.base)
 
-    def with_pool_prefix(self, count: int) -> "TrainedSet":
+    def with_pool_prefix(self, count: int) -> TrainedSet:
         """This set plus the first `count` positions of its pool."""
         if count >= len(self.holes):
             return TrainedSet(self.base + count - len(self.holes))
