@@ -158,3 +158,12 @@ def test_an_unreachable_hub_dataset_exits_2_with_what_to_do(data, tmp_path, caps
                  "OfflineModeIsEnabled", str(tmp_path), "set [huggingface_dataset] cache_dir", "save_to_disk",
                  "path = "):  # fmt: skip
         assert word in err
+
+
+def test_the_readme_example_is_a_valid_config(tmp_path):
+    readme = (TRAIN_CONFIGS_DIR.parents[2] / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in readme.split("```toml\n")[1:]]
+    (example,) = [b for b in blocks if "[[training.sources]]" in b]
+    c = ConfigManager().parse_args(["--job.config_file", job_toml(tmp_path, example)])
+    assert [s.resolved_name for s in c.training.sources] == ["chat_sft", "ultrachat"]
+    assert c.training.sources[1].streaming and c.huggingface_dataset.cache_dir == "/mnt/hf_datasets"
