@@ -154,8 +154,7 @@ class MixtureLoader(PrefetchingLoader):
     def load_rank_states(self, states: list[dict]) -> None:
         """Continue from the `rank_state()` of every rank of a saved run (any order, repeats allowed): each source
         as `PackedDataLoader.load_rank_states` does, the draws from this rank's counter (module docstring)."""
-        for state in states:
-            self._check_saved(state)
+        self._check_saved(states[0])  # the fingerprints of the saved ranks differ only in dp_rank
         self._stop_prefetch()
         by_rank = {s["fingerprint"]["dp_rank"]: s for s in states}
         for i, loader in enumerate(self.loaders):

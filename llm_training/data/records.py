@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 NEWLINE = 10
 SCAN_CHUNK_BYTES = 1 << 26
+STREAM_SKIP_WARNING = 10000  # records a stream is read again (on a resume) from which that cost is reported
 
 
 def is_save_to_disk_dir(path: Path) -> bool:
@@ -267,11 +268,11 @@ class StreamRecords:
     def _open(self, epoch: int, seed: int | None, first: int) -> None:
         stream = self._data if seed is None else self._data.shuffle(seed=seed, buffer_size=self.buffer_size)
         stream.set_epoch(epoch)
-        if first > 0:
-            logger.info(
-                "data: %s is a stream: reading its first %d records of epoch %d again to reach position %d "
-                "(no random access; they are not tokenized)",
-                self.name, first, epoch, first,
+        if first >= STREAM_SKIP_WARNING:
+            logger.warning(
+                "data: %s is a stream (no random access): reading its first %d records of epoch %d again to reach "
+                "the resumed position; they are not tokenized, but they are downloaded",
+                self.name, first, epoch,
             )  # fmt: skip
         self._iterator, self._key, self._cursor = iter(stream), (epoch, seed), 0
 
