@@ -132,7 +132,7 @@ def _toml_key_line(path: Path, section: str, key: str) -> int | None:
     current = None
     for lineno, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
-        header = re.match(r"^\[\s*([A-Za-z0-9_.\-]+)\s*\]", stripped)
+        header = re.match(r"^\[\[?\s*([A-Za-z0-9_.\-]+)\s*\]", stripped)  # [section] or [[section.tables]]
         if header:
             current = header.group(1)
         elif current == section and re.match(rf"^\"?{re.escape(key)}\"?\s*=", stripped):
