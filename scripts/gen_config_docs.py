@@ -12,7 +12,7 @@ import typing
 from pathlib import Path
 
 from llm_training.config.job_config import PACKAGE_DIR, section_classes
-from llm_training.config.manager import type_name
+from llm_training.config.manager import table_type, type_name
 from llm_training.config.toml_writer import toml_value
 
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "config.md"
@@ -37,18 +37,36 @@ def render() -> str:
         "",
     ]
     for name, cls in section_classes().items():
+        lines += [f"## [{name}]", "", *_key_table(cls), ""]
         hints = typing.get_type_hints(cls)
-        lines += [f"## [{name}]", "", "| key | type | default | description |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
-            doc = f.metadata.get("doc", "")
-            if f.metadata.get("choices"):
-                doc += f" (one of: {', '.join(f'`{c}`' for c in f.metadata['choices'])})"
-            doc = doc.replace("|", "\\|")
-            lines.append(
-                f"| `{f.name}` | {type_name(hints[f.name]).replace('|', 'or')} | `{_default_text(f)}` | {doc} |"
-            )
-        lines.append("")
+            table = table_type(hints[f.name])
+            if table is not None:
+                lines += [
+                    f"### [[{name}.{f.name}]]",
+                    "",
+                    (
+                        f"Each `[[{name}.{f.name}]]` table of the TOML file has these keys (on the command line: "
+                        f"`--{name}.{f.name}.N.KEY=VALUE` sets one key of table N, counted from 0)."
+                    ),
+                    "",
+                    *_key_table(table),
+                    "",
+                ]
     return "\n".join(lines)
+
+
+def _key_table(cls: type) -> list[str]:
+    """The markdown table of a dataclass's keys: type, default, doc (with the choices)."""
+    hints = typing.get_type_hints(cls)
+    lines = ["| key | type | default | description |", "|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        doc = f.metadata.get("doc", "")
+        if f.metadata.get("choices"):
+            doc += f" (one of: {', '.join(f'`{c}`' for c in f.metadata['choices'])})"
+        doc = doc.replace("|", "\\|")
+        lines.append(f"| `{f.name}` | {type_name(hints[f.name]).replace('|', 'or')} | `{_default_text(f)}` | {doc} |")
+    return lines
 
 
 def main() -> int:

@@ -105,11 +105,72 @@ class Kernels:
     )
 
 
+DEFAULT_DATASET_PATH = str(ASSETS_DIR / "demo_chat.jsonl")
+SOURCE_NAME_PATTERN = r"[A-Za-z0-9_.\-]+"  # a source name as metrics keys (tokens/<name>) carry it
+
+
+@dataclass
+class DataSource:
+    """One source of a data mixture: a `[[training.sources]]` table of the TOML (llm_training/data/mixture.py)."""
+
+    name: str = option(
+        "",
+        "the source's name in metrics (tokens/<name>) and messages, letters, digits, _ . - (empty: the file or "
+        "folder name of path, or the last part of hub plus -hub_config)",
+    )
+    path: str = option(
+        "", "local data: a *.jsonl or *.parquet file, a folder of them, or a datasets save_to_disk directory"
+    )
+    hub: str = option(
+        "", "HuggingFace Hub dataset id read with datasets.load_dataset, e.g. 'allenai/c4' (set path or hub)"
+    )
+    hub_config: str = option("", "hub only: the dataset's configuration (subset) name, e.g. 'en' (empty: its default)")
+    revision: str = option(
+        "", "hub only: branch, tag or commit of the dataset repository (empty: main); a commit pins the data"
+    )
+    split: str = option("", "split of a hub or save_to_disk dataset (empty: [huggingface_dataset] split)")
+    streaming: bool = option(
+        False,
+        "hub or parquet only: read the records as a stream instead of downloading / converting them all first "
+        "(shuffled in a buffer of [huggingface_dataset] shuffle_buffer records; every data-parallel rank reads the "
+        "whole stream and keeps its share; a resume reads the current epoch again up to its position)",
+    )
+    conversations_field: str = option(
+        "", "record field holding the chat turns (empty: [huggingface_dataset] conversations_field)"
+    )
+    weight: float = option(
+        1.0, "relative share of the packed rows drawn from this source (> 0; the weights need not sum to 1)"
+    )
+    epochs: int = option(
+        0,
+        "passes over the source before it leaves the mixture (0: repeated without end); when every source "
+        "has left, the run stops with an error",
+    )
+
+    @property
+    def resolved_name(self) -> str:
+        """`name`, or the default: the stem of a file path, the name of a folder, the hub id's last part (+ config)."""
+        if self.name:
+            return self.name
+        if self.hub:
+            return self.hub.rstrip("/").split("/")[-1] + (f"-{self.hub_config}" if self.hub_config else "")
+        path = Path(self.path.rstrip("/"))
+        return path.stem if path.suffix in (".jsonl", ".parquet") else path.name
+
+
 @dataclass
 class Training:
     dataset: str = option("huggingface", "dataset loader", choices=("huggingface",))
     dataset_path: str = option(
-        str(ASSETS_DIR / "demo_chat.jsonl"), "local jsonl file or datasets save_to_disk directory"
+        DEFAULT_DATASET_PATH,
+        "the data set when sources is empty: a local *.jsonl or *.parquet file, a folder of them, or a datasets "
+        "save_to_disk directory",
+    )
+    sources: list[DataSource] = option(
+        [],
+        "a data mixture instead of dataset_path: one [[training.sources]] table per source (its keys: "
+        "docs/config.md); each packed row comes from one source, drawn by weight with [huggingface_dataset] "
+        "shuffle_seed",
     )
     local_batch_size: int = option(8, "sequences per data-parallel rank per micro-batch")
     global_batch_size: int = option(
@@ -170,7 +231,15 @@ class HuggingFaceDataset:
         "conversations", "record field holding the chat turns (a list of {role, content})"
     )
     shuffle: bool = option(True, "shuffle records before packing")
-    shuffle_seed: int = option(1234, "seed of the record shuffle")
+    shuffle_seed: int = option(1234, "seed of the record shuffle (and of the source draws of a mixture)")
+    shuffle_buffer: int = option(
+        10000, "records in the shuffle buffer of a streaming source (the stream is shuffled within it)"
+    )
+    cache_dir: str = option(
+        "",
+        "datasets cache of hub sources and of parquet files converted for random access (empty: HF_DATASETS_CACHE, "
+        "else ~/.cache/huggingface/datasets); offline (HF_HUB_OFFLINE=1), hub data must already be in it",
+    )
     packing: str = option(
         "pack", "pack several documents per row, or one padded document per row", choices=("pack", "pad")
     )

@@ -3,6 +3,8 @@
 Precedence: command line > TOML file > dataclass defaults. Command-line syntax:
   --section.key=value | --section.key value   (lists: comma-separated, e.g. --compile.components=model,loss)
   --section.flag                              (a bare boolean flag means true; write --section.flag=false for false)
+  --section.key.N.subkey=value                (one key of the N-th table (0-based) of a list of tables such as
+                                               [[training.sources]]; the tables themselves come from the TOML)
   --help                                      (lists every key with its doc, then exits)
 Every value is converted to its field's type; unknown sections/keys, wrong types, values outside a
 field's choices and inconsistent combinations raise ConfigError before any heavy work.
@@ -41,6 +43,15 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
         if len(args) == 1 and len(typing.get_args(tp)) == 2:
             return args[0], True
     return tp, False
+
+
+def table_type(tp: Any) -> type | None:
+    """The dataclass of a list-of-tables field (`list[DataSource]`: [[training.sources]] in TOML), else None."""
+    if typing.get_origin(tp) is list:
+        (elem,) = typing.get_args(tp)
+        if dataclasses.is_dataclass(elem):
+            return elem
+    return None
 
 
 def type_name(tp: Any) -> str:
@@ -121,7 +132,7 @@ def _toml_key_line(path: Path, section: str, key: str) -> int | None:
     current = None
     for lineno, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
-        header = re.match(r"^\[\s*([A-Za-z0-9_.\-]+)\s*\]", stripped)
+        header = re.match(r"^\[\[?\s*([A-Za-z0-9_.\-]+)\s*\]", stripped)  # [section] or [[section.tables]]
         if header:
             current = header.group(1)
         elif current == section and re.match(rf"^\"?{re.escape(key)}\"?\s*=", stripped):
@@ -192,6 +203,15 @@ class ConfigManager:
                 default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
                 lines.append(f"  --{name}.{f.name} ({type_name(hints[f.name])}, default {default!r}){extra}")
                 lines.append(f"      {f.metadata.get('doc', '')}")
+                table = table_type(hints[f.name])
+                if table is not None:
+                    lines.append(f"      [[{name}.{f.name}]] keys (override one with --{name}.{f.name}.N.KEY=VALUE):")
+                    table_hints = _field_types(table)
+                    for sub in dataclasses.fields(table):
+                        lines.append(
+                            f"        {sub.name} ({type_name(table_hints[sub.name])}, default {sub.default!r})"
+                        )
+                        lines.append(f"            {sub.metadata.get('doc', '')}")
         return "\n".join(lines)
 
     # -- command line
@@ -239,6 +259,24 @@ class ConfigManager:
 
     # -- shared
     def _field_type(self, section: str, key: str, origin: str) -> Any:
+        """The type of `key` in `section` (for `field.N.subkey`: of that key of the field's tables)."""
+        key, dot, rest = key.partition(".")
+        tp = self._section_field_type(section, key, origin)
+        if not dot:
+            return tp
+        table = table_type(tp)
+        index, _, subkey = rest.partition(".")
+        if table is None or not index.isdigit() or not subkey:
+            shape = f"--{section}.{key}.N.KEY=VALUE (N: the 0-based table number)" if table else f"--{section}.{key}"
+            raise ConfigError(f"{origin}: write {shape}")
+        hints = _field_types(table)
+        if subkey not in hints:
+            raise ConfigError(
+                f"unknown key '{subkey}' in [[{section}.{key}]] ({origin}); {_did_you_mean(subkey, list(hints))}"
+            )
+        return hints[subkey]
+
+    def _section_field_type(self, section: str, key: str, origin: str) -> Any:
         if section not in self.sections:
             raise ConfigError(f"unknown section [{section}] in {origin}; {_did_you_mean(section, list(self.sections))}")
         hints = _field_types(self.sections[section])
@@ -256,6 +294,20 @@ class ConfigManager:
 
     def _set(self, config: JobConfig, section: str, key: str, raw: Any, from_cli: bool, origin: str) -> None:
         tp = self._field_type(section, key, origin)
+        if "." in key:
+            self._set_table_key(config, section, key, raw, tp, origin)
+            return
+        table = table_type(tp)
+        if table is not None:
+            if from_cli:
+                raise ConfigError(
+                    f"[{section}] {key} is a list of tables: write them in the TOML file as [[{section}.{key}]] "
+                    f"tables; on the command line set one key of table N with --{section}.{key}.N.KEY=VALUE"
+                )
+            value = self._convert_tables(raw, table, section, key, origin)
+            setattr(getattr(config, section), key, value)
+            self._origins[(section, key)] = origin
+            return
         try:
             value = convert_value(raw, tp, from_cli)
         except _BadValue:
@@ -271,6 +323,50 @@ class ConfigManager:
             ) from None
         setattr(getattr(config, section), key, value)
         self._origins[(section, key)] = origin
+
+    def _convert_tables(self, raw: Any, table: type, section: str, key: str, origin: str) -> list:
+        """A TOML array of tables ([[section.key]]) as a list of `table` dataclasses, each value typed."""
+        where = f"[[{section}.{key}]]"
+        if not isinstance(raw, list) or not all(isinstance(item, dict) for item in raw):
+            raise ConfigError(
+                f"[{section}] {key} ({origin}) must be an array of tables: write each as a {where} table "
+                f"of key = value lines, got {raw!r}"
+            )
+        hints = _field_types(table)
+        items = []
+        for n, item in enumerate(raw):
+            values = {}
+            for subkey, value in item.items():
+                if subkey not in hints:
+                    raise ConfigError(
+                        f"unknown key '{subkey}' in {where} table #{n} ({origin}); {_did_you_mean(subkey, list(hints))}"
+                    )
+                values[subkey] = self._convert_table_value(
+                    value, hints[subkey], f"{where} #{n} {subkey}", origin, False
+                )
+            items.append(table(**values))
+        return items
+
+    def _set_table_key(self, config: JobConfig, section: str, key: str, raw: Any, tp: Any, origin: str) -> None:
+        """`--section.field.N.subkey=value`: one key of the N-th table of a list-of-tables field."""
+        name, index, subkey = key.split(".", 2)
+        tables = getattr(getattr(config, section), name)
+        if int(index) >= len(tables):
+            raise ConfigError(
+                f"{origin}: [[{section}.{name}]] has {len(tables)} table(s) (numbered from 0), so there is no "
+                f"table {index}; add the tables in the TOML file"
+            )
+        value = self._convert_table_value(raw, tp, f"[[{section}.{name}]] #{index} {subkey}", origin, True)
+        setattr(tables[int(index)], subkey, value)
+
+    @staticmethod
+    def _convert_table_value(raw: Any, tp: Any, what: str, origin: str, from_cli: bool) -> Any:
+        try:
+            return convert_value(raw, tp, from_cli)
+        except _BadValue:
+            raise ConfigError(
+                f"{what}: expected {type_name(tp)}, got {raw!r} ({type(raw).__name__}) from {origin}"
+            ) from None
 
     def _check_choices(self, config: JobConfig) -> None:
         """Every field with a choice set holds one of its choices (the message names where the value came from)."""

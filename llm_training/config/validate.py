@@ -121,6 +121,66 @@ def _check_loss_spike(c: "JobConfig") -> None:
     )
 
 
+def source_key(i: int, source, key: str) -> str:
+    """How a message names `key` of the i-th [[training.sources]] table (0-based, as --training.sources.N.KEY)."""
+    return f"[[training.sources]] #{i} ({source.resolved_name!r}) {key}"
+
+
+def _check_sources(c: "JobConfig") -> None:
+    """[[training.sources]]: each names one data set (path or hub), hub-only keys only with hub, positive weights,
+    non-negative epochs, distinct names usable as metric keys; dataset_path is left at its default."""
+    import math
+    import re
+
+    from llm_training.config.job_config import DEFAULT_DATASET_PATH, SOURCE_NAME_PATTERN
+
+    t = c.training
+    _require(
+        not t.sources or t.dataset_path == DEFAULT_DATASET_PATH,
+        f"[training] dataset_path = {t.dataset_path!r} and [[training.sources]] are both set: list that data set "
+        "as one more [[training.sources]] table (path = ...) and remove dataset_path",
+    )
+    names: dict[str, int] = {}
+    for i, s in enumerate(t.sources):
+        _require(
+            bool(s.path) != bool(s.hub),
+            f"{source_key(i, s, 'path / hub')}: set exactly one of path (local data) and hub (a HuggingFace Hub "
+            f"dataset id), got path = {s.path!r}, hub = {s.hub!r}",
+        )
+        for key in ("hub_config", "revision"):
+            _require(
+                not getattr(s, key) or bool(s.hub),
+                f"{source_key(i, s, key)} = {getattr(s, key)!r} applies to hub datasets only: set hub, or remove {key}",
+            )
+        _require(
+            math.isfinite(s.weight) and s.weight > 0,
+            f"{source_key(i, s, 'weight')} must be > 0 (its share of the rows relative to the other sources), "
+            f"got {s.weight}; e.g. weight = 1.0",
+        )
+        _require(
+            s.epochs >= 0,
+            f"{source_key(i, s, 'epochs')} must be >= 0 (0: repeat without end; N: leave the mixture after N "
+            f"passes), got {s.epochs}",
+        )
+        name = s.resolved_name
+        _require(
+            re.fullmatch(SOURCE_NAME_PATTERN, name) is not None,
+            f"{source_key(i, s, 'name')}: {name!r} is not a usable source name (letters, digits, _ . - only); "
+            "set name = '...' for this source",
+        )
+        _require(
+            name not in names,
+            f"{source_key(i, s, 'name')}: sources #{names.get(name)} and #{i} are both named {name!r}; give one of "
+            "them another name = '...'",
+        )
+        names[name] = i
+    _require(
+        c.huggingface_dataset.shuffle_buffer >= 1,
+        f"[huggingface_dataset] shuffle_buffer must be >= 1 record, got {c.huggingface_dataset.shuffle_buffer}; "
+        "e.g. 10000",
+    )
+
+
 def validate_config(c: "JobConfig") -> None:
     """World-size-independent checks; raises ConfigError on the first problem found."""
     from llm_training.motif import MODEL_FLAVORS
@@ -155,6 +215,7 @@ def validate_config(c: "JobConfig") -> None:
         0.0 <= hf.max_bad_fraction <= 1.0,
         f"[huggingface_dataset] max_bad_fraction must be in [0, 1], got {hf.max_bad_fraction}",
     )
+    _check_sources(c)
 
     v = c.validation
     _require(v.freq >= 1, f"[validation] freq must be >= 1 (evaluate every this many steps), got {v.freq}")
@@ -278,21 +339,50 @@ def _validation_keys(message: str) -> str:
     )
 
 
+def _source_keys(i: int, source):
+    """A data-set error about the i-th [[training.sources]] table: prefixed with the table, and the data layer's
+    [training] dataset_path (and the split / conversations_field the table sets itself) named as its keys."""
+
+    def message_of(message: str) -> str:
+        message = message.replace("[training] dataset_path", "path")
+        for key in ("split", "conversations_field"):
+            if getattr(source, key):
+                message = message.replace(f"[huggingface_dataset] {key}", key)
+        return f"{source_key(i, source, '')}data: {message}"
+
+    return message_of
+
+
 def validate_environment(c: "JobConfig") -> None:
     """Checks of the files and packages the config needs, so that they fail as config errors (exit 2) at start-up:
-    the tokenizer directory (loads, has a chat template, eos and pad tokens), the data set (exists, has a record,
-    the split and conversations column exist; the validation data set too when enabled), CUDA and triton for the [kernels] that run Triton, flash-attn-4
-    for attention = 'fa4' and the packages of the enabled metrics sinks."""
-    from llm_training.data import build_tokenizer, check_dataset  # imported here: transformers is slow to import
+    the tokenizer directory (loads, has a chat template, eos and pad tokens), the data set or every
+    [[training.sources]] table (exists, has a record, the split and conversations column exist, streaming only of hub
+    or parquet data, a Hub dataset reachable or cached; the validation data set too when enabled), the datasets
+    cache_dir, CUDA and triton for the [kernels] that run Triton, flash-attn-4 for attention = 'fa4' and the packages
+    of the enabled metrics sinks."""
+    from pathlib import Path
+
+    from llm_training.data import build_tokenizer, check_dataset, check_source  # transformers is slow to import
 
     hf, v = c.huggingface_dataset, c.validation
-    checks = [
-        (lambda: build_tokenizer(c.model.tokenizer_path), str),
-        (lambda: check_dataset(c.training.dataset_path, hf.conversations_field, hf.split), str),
-    ]
+    _require(
+        not hf.cache_dir or not Path(hf.cache_dir).exists() or Path(hf.cache_dir).is_dir(),
+        f"[huggingface_dataset] cache_dir = {hf.cache_dir!r} is a file: point it at a folder (created when missing) "
+        "or leave it empty for the datasets default",
+    )
+    checks = [(lambda: build_tokenizer(c.model.tokenizer_path), str)]
+    if c.training.sources:
+        checks += [(lambda s=s: check_source(s, hf), _source_keys(i, s)) for i, s in enumerate(c.training.sources)]
+    else:
+        checks.append(
+            (lambda: check_dataset(c.training.dataset_path, hf.conversations_field, hf.split, hf.cache_dir), str)
+        )
     if v.enable:
         checks.append(
-            (lambda: check_dataset(v.dataset_path, hf.conversations_field, v.split or hf.split), _validation_keys)
+            (
+                lambda: check_dataset(v.dataset_path, hf.conversations_field, v.split or hf.split, hf.cache_dir),
+                _validation_keys,
+            )
         )
     for check, message_of in checks:
         try:

@@ -1,6 +1,7 @@
 """`ChatDocumentSource`: the documents of a chat data set, for the packed loader (`data.dataloader`).
 
-For a list of record indices it reads the records (`data.records`: local jsonl or a `save_to_disk` folder), checks
+For a list of record indices (or, from a stream, of positions in an epoch's order) it reads the records
+(`data.records`: local jsonl or parquet, a `save_to_disk` folder, a Hub dataset through `data.hub`), checks
 each conversation (`chat.validate_conversation`), renders it with the tokenizer's chat template and tokenizes the
 batch in one call (`chat.ChatTokenizer`: loss on the last assistant turn only), and fits each document to
 `seq_len` (`packing.fit_document`: truncate or drop an over-long one). Each record gives one outcome:
@@ -29,6 +30,16 @@ class ChatDocumentSource:
             raise ValueError(f"[huggingface_dataset] overlong = {overlong!r}; expected one of {list(OVERLONG_MODES)}")
         self.records, self.chat, self.seq_len, self.overlong = records, chat_tokenizer, seq_len, overlong
 
+    @property
+    def streamed(self) -> bool:
+        """Whether the records are a stream (no length, no random access: `stream_documents`)."""
+        return self.records.streamed
+
+    @property
+    def stream_length(self) -> int | None:
+        """Records in the stream, once its end has been read."""
+        return self.records.length
+
     def __len__(self) -> int:
         return len(self.records)
 
@@ -45,9 +56,17 @@ class ChatDocumentSource:
 
     def documents(self, record_indices) -> list[SourceOutcome]:
         """One outcome per record of `record_indices`, in order (module docstring)."""
+        return self._outcomes(self.records.fetch(record_indices))
+
+    def stream_documents(self, epoch: int, positions, seed: int | None) -> list[SourceOutcome]:
+        """One outcome per record at the ascending `positions` of a stream's epoch `epoch` (shuffled with `seed`
+        unless None); fewer when the stream ends first."""
+        return self._outcomes(self.records.read(epoch, positions, seed))
+
+    def _outcomes(self, fetched) -> list[SourceOutcome]:
         outcomes: list = []
         pieces, slots = [], []
-        for location, conversation in self.records.fetch(record_indices):
+        for location, conversation in fetched:
             try:
                 pieces.append(self.chat.split(validate_conversation(conversation)))
                 slots.append(len(outcomes))

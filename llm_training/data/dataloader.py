@@ -1,20 +1,26 @@
 """The stateful packed data loader: shard by data-parallel rank, shuffle per epoch, read ahead, pack, resume.
 
 It is generic over its document source (`DocumentSource`: how many records there are and, for a list of record
-indices, the trainable documents or the bad-record reasons they give); the chat data sets' source is
-`data.chat_source.ChatDocumentSource` (validate, render with the chat template, tokenize, fit to seq_len).
+indices, the trainable documents or the bad-record reasons they give; or, for a stream, the same for positions of
+an epoch's order); the chat data sets' source is `data.chat_source.ChatDocumentSource` (validate, render with the
+chat template, tokenize, fit to seq_len). A data mixture (`data.mixture.MixtureLoader`) draws rows from one
+loader per source (`next_row`).
 
 Order of records: epoch e visits a permutation of all records (seeded by `shuffle_seed + e`, or file order
-without `shuffle`): the global sample order, whose positions g = 0..n-1 name the records of the epoch. Rank r
-takes positions r, r + W, r + 2W, ... of it (W = dp world size), so the ranks read disjoint shards that
-together cover every record once per epoch. Iteration never ends: after its shard, a rank logs a summary and
-starts the next epoch (a fresh permutation).
+without `shuffle`; a stream is its own order, shuffled in a buffer with the same seed): the global sample order,
+whose positions g = 0..n-1 name the records of the epoch. Rank r takes positions r, r + W, r + 2W, ... of it
+(W = dp world size; `data.positions`), so the ranks read disjoint shards that together cover every record once per
+epoch (a streamed source is read whole by every rank, which keeps its positions). Iteration never ends: after its
+shard, a rank logs a summary and starts the next epoch (a fresh permutation) -- unless `max_epochs` epochs are
+done: the loader is then spent, its rows still being packed are closed and returned, and `next_row` raises
+`SourceSpent`.
 
 Records are read, validated, rendered and tokenized a small chunk ahead of the packer; the state counts only
 records the packer has consumed, so `state_dict()` taken between batches, restored with `load_state_dict()`,
 continues with exactly the batches the uninterrupted run would have produced. The state holds epoch,
 position, counters and, for the rows being packed and rows closed but not yet emitted, the (epoch, position)
-of each document, which are re-read and re-tokenized on load (small state even at 256K seq_len).
+of each document, which are re-read and re-tokenized on load (small state even at 256K seq_len; a stream is read
+again from the start of the epoch up to them, without tokenizing what lies between).
 
 Resuming on another layout (`load_rank_states`, given the states of every rank of the saving run). With the same
 data-parallel size and data settings each rank restores its own state exactly (the same batches as an
@@ -27,7 +33,8 @@ the batches differ from an uninterrupted run (other rows, other ranks).
 
 Iterating the loader (`next(loader)`) prepares `prefetch_batches` batches ahead in a background thread (the
 tokenizer releases the GIL) and keeps, with each batch, a snapshot of the state after it, so `state_dict()`
-still describes the last batch returned. `next_batch()` computes one batch in the calling thread.
+still describes the last batch returned (`PrefetchingLoader`, shared with the mixture). `next_batch()` computes one
+batch in the calling thread.
 
 Bad records (for chat data: malformed JSON, missing conversations, unknown role, non-string content, no assistant
 turn, a conversation the chat template rejects):
@@ -49,10 +56,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from llm_training.data.chat import ChatTokenizer
-from llm_training.data.chat_source import ChatDocumentSource, SourceOutcome
+from llm_training.data.chat_source import SourceOutcome
 from llm_training.data.packing import Document, RowPacker, collate_rows
-from llm_training.data.records import open_records
+from llm_training.data.positions import TrainedSet, merge_trained_positions, shard_positions, shard_size
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +66,7 @@ MIN_RECORDS_FOR_BAD_FRACTION = 100  # the bad-record fraction is checked from th
 BAD_RECORDS_SHOWN = 5  # bad records logged one by one (per rank) before only counting them
 READ_AHEAD_RECORDS = 64  # records read + tokenized per batched tokenizer call
 STATE_VERSION = 2
+_FRESH_EPOCH = TrainedSet()  # nothing trained before
 
 PACKING_MODES = ("pack", "pad")
 BAD_RECORD_POLICIES = ("skip", "fail")
@@ -80,21 +87,92 @@ class BadRecordError(ValueError):
     """Bad input the loader refuses to train on (names the file:line or the threshold that was crossed)."""
 
 
+class SourceSpent(Exception):
+    """`PackedDataLoader.next_row` of a loader whose `max_epochs` are done and whose rows are all returned."""
+
+
 class DocumentSource(Protocol):
     """What the loader reads documents from (e.g. `ChatDocumentSource`)."""
 
     empty_files: list  # files of the data set that hold no record (reported, or refused under policy 'fail')
     pad_id: int  # the token id that fills a row's unused tail
+    streamed: bool  # a stream: no len() / documents(), but stream_documents() and stream_length
 
     def __len__(self) -> int: ...  # number of records
 
     def documents(self, record_indices) -> list[SourceOutcome]: ...  # one outcome per record, in order
 
+    def stream_documents(self, epoch: int, positions, seed: int | None) -> list[SourceOutcome]: ...
+
+    @property
+    def stream_length(self) -> int | None: ...  # a stream's records, once its end has been read
+
     def fingerprint(self) -> dict: ...  # the source settings a saved loader state must match
 
 
-class PackedDataLoader:
-    """Infinite iterable of packed batches for one data-parallel rank (see module doc)."""
+class PrefetchingLoader:
+    """An infinite iterator of batches that can prepare them in a background thread (`prefetch_batches` ahead),
+    keeping with each batch the state after it. Subclasses compute one batch (`_next_batch_now`), their state
+    (`_state_now`) and restore it (`load_state_dict`, which calls `_stop_prefetch` first)."""
+
+    def __init__(self, prefetch_batches: int):
+        self.prefetch_batches = prefetch_batches
+        self._prefetcher: _Prefetcher | None = None
+        self._delivered_state: dict = {}
+
+    def _next_batch_now(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _state_now(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """The next batch, computed in the calling thread (do not mix with iterating the loader)."""
+        if self._prefetcher is not None:
+            raise RuntimeError("next_batch() while the loader is being iterated with prefetching; use next(loader)")
+        return self._next_batch_now()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        """The next batch; with `prefetch_batches` > 0 a background thread prepares batches ahead."""
+        if self.prefetch_batches == 0:
+            return self._next_batch_now()
+        if self._prefetcher is None:
+            self._delivered_state = self._state_now()
+            self._prefetcher = _Prefetcher(self._produce, self.prefetch_batches)
+        batch, self._delivered_state = self._prefetcher.get()
+        return batch
+
+    def _produce(self) -> tuple[dict[str, torch.Tensor], dict]:
+        batch = self._next_batch_now()
+        return batch, self._state_now()
+
+    def _stop_prefetch(self) -> None:
+        """Stop the prefetch thread (the batches it prepared ahead belong to the old position)."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+
+    def close(self) -> None:
+        """Stop the prefetch thread (iteration restarts it); the state stays that of the last batch returned."""
+        if self._prefetcher is not None:
+            self._stop_prefetch()
+            self.load_state_dict(self._delivered_state)
+
+    def state_dict(self) -> dict:
+        """Plain-Python (JSON-serializable) state after the last batch returned."""
+        if self._prefetcher is not None:
+            return copy.deepcopy(self._delivered_state)
+        return self._state_now()
+
+
+class PackedDataLoader(PrefetchingLoader):
+    """Infinite iterable of packed batches (or rows, `next_row`) for one data-parallel rank (see module doc)."""
 
     def __init__(
         self,
@@ -110,6 +188,7 @@ class PackedDataLoader:
         dp_rank: int = 0,
         dp_world_size: int = 1,
         prefetch_batches: int = 2,
+        max_epochs: int = 0,
     ):
         _check_choice("[huggingface_dataset] packing", packing, PACKING_MODES)
         _check_choice("[huggingface_dataset] bad_record_policy", bad_record_policy, BAD_RECORD_POLICIES)
@@ -121,6 +200,7 @@ class PackedDataLoader:
             )
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_world_size={dp_world_size})")
+        super().__init__(prefetch_batches)
         self.source = source
         self.seq_len = seq_len
         self.batch_size = local_batch_size
@@ -131,13 +211,15 @@ class PackedDataLoader:
         self.max_bad_fraction = max_bad_fraction
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
+        self.max_epochs = max_epochs  # 0: no end
         self._check_sizes()
 
         self.epoch = 0
         self.position = 0  # records of this epoch's shard consumed by the packer
-        # epoch -> sorted global positions trained before a resume on another layout (their records are not
-        # in this rank's shard of that epoch); empty for an epoch started afresh
-        self.trained_before: dict[int, np.ndarray] = {}
+        # epoch -> global positions trained before a resume on another layout (their records are not in this
+        # rank's shard of that epoch); absent for an epoch started afresh
+        self.trained_before: dict[int, TrainedSet] = {}
+        self.stream_records: int | None = None  # a stream's length, once an epoch end was read
         self.counters = dict.fromkeys(COUNTER_NAMES, 0)
         self.epoch_documents = 0
         self.bad_examples: list[str] = []
@@ -146,17 +228,15 @@ class PackedDataLoader:
         self.packer = RowPacker(seq_len, pack=packing == "pack")
         self.ready_rows: deque[list[Document]] = deque()
         self._orders: dict[int, np.ndarray] = {}
-        self._shards: dict[int, np.ndarray] = {}
         self._ahead: deque[tuple] = deque()  # processed records for positions [position, position + len)
-        self.prefetch_batches = prefetch_batches
-        self._prefetcher: _Prefetcher | None = None
-        self._delivered_state: dict = {}
 
     def _check_sizes(self) -> None:
         for file in self.source.empty_files:
             if self.policy == "fail":
                 raise BadRecordError(f"{file}: empty file (no records); bad_record_policy='fail'")
             logger.warning("data: %s is empty (no records); skipping it", file)
+        if self.source.streamed:
+            return  # its length is known once read (a stream without records fails as "nothing trainable")
         if len(self.source) == 0:
             raise BadRecordError("[training] dataset_path: the data set has no records (every file is empty)")
         if len(self.source) < self.dp_world_size:
@@ -179,21 +259,35 @@ class PackedDataLoader:
             self._orders[epoch] = order
         return self._orders[epoch]
 
-    def _shard(self, epoch: int) -> np.ndarray:
-        """Global positions this rank visits in `epoch`, in order (the last two epochs asked for are cached)."""
-        if epoch not in self._shards:
-            while len(self._shards) >= 2:
-                del self._shards[min(self._shards)]
-            pool = _untrained(len(self.source), self.trained_before.get(epoch))
-            self._shards[epoch] = pool[self.dp_rank :: self.dp_world_size]
-        return self._shards[epoch]
+    def _num_records(self) -> int | None:
+        """Records per epoch (a stream's: None until its end has been read)."""
+        return self.stream_records if self.source.streamed else len(self.source)
+
+    def _trained(self, epoch: int) -> TrainedSet:
+        return self.trained_before.get(epoch, _FRESH_EPOCH)
+
+    def _shard_len(self, epoch: int) -> int | None:
+        """Positions this rank visits in `epoch` (None: a stream whose end has not been read yet)."""
+        n = self._num_records()
+        return None if n is None else shard_size(self._trained(epoch), self.dp_rank, self.dp_world_size, n)
+
+    def _positions(self, epoch: int, start: int, stop: int) -> np.ndarray:
+        """Global positions `start` to `stop` (exclusive) of this rank's shard of `epoch`."""
+        trained = self._trained(epoch)
+        return shard_positions(trained, self.dp_rank, self.dp_world_size, start, stop, self._num_records())
 
     # ---- reading ------------------------------------------------------------------------------------------
     def _process(self, epoch: int, positions) -> list[SourceOutcome]:
         """The source's outcomes for the records at global `positions` of `epoch`, each document tagged with its
-        (epoch, position): ("bad", location, reason) or ("doc", location, Document or None if dropped, truncated)."""
+        (epoch, position): ("bad", location, reason) or ("doc", location, Document or None if dropped, truncated).
+        A stream gives fewer at its end."""
         positions = [int(g) for g in positions]
-        outcomes = self.source.documents(self._order(epoch)[positions])
+        if self.source.streamed:
+            outcomes = self.source.stream_documents(epoch, positions, self.shuffle_seed if self.shuffle else None)
+            if self.source.stream_length is not None:
+                self.stream_records = self.source.stream_length
+        else:
+            outcomes = self.source.documents(self._order(epoch)[positions])
         for position, outcome in zip(positions, outcomes):
             if outcome[0] == "doc" and outcome[2] is not None:
                 outcome[2].source = (epoch, position)
@@ -201,29 +295,56 @@ class PackedDataLoader:
 
     def _read_ahead(self) -> None:
         begin = self.position + len(self._ahead)
-        stop = min(begin + READ_AHEAD_RECORDS, len(self._shard(self.epoch)))
-        self._ahead.extend(self._process(self.epoch, self._shard(self.epoch)[begin:stop]))
+        stop = begin + READ_AHEAD_RECORDS
+        size = self._shard_len(self.epoch)
+        if size is not None:
+            stop = min(stop, size)
+        self._ahead.extend(self._process(self.epoch, self._positions(self.epoch, begin, stop)))
 
-    def _documents_at(self, sources: list[tuple[int, int]]) -> list[Document]:
-        """Re-create documents from their (epoch, global position) sources (used when loading a state)."""
-        docs = []
-        for epoch, position in sources:
-            [outcome] = self._process(epoch, [position])
-            if outcome[0] != "doc" or outcome[2] is None:
-                raise ValueError(
-                    f"cannot resume the data loader: the record at {outcome[1]} no longer gives the document it "
-                    "gave when the state was saved (did the data change?)"
-                )
-            docs.append(outcome[2])
-        return docs
+    def _rows_at(self, rows: list[list[list[int]]]) -> list[list[Document]]:
+        """Re-create rows of documents from their (epoch, global position) sources (used when loading a state):
+        one read per epoch, in position order (a stream is read once)."""
+        wanted = sorted({(epoch, position) for row in rows for epoch, position in row})
+        docs: dict[tuple[int, int], Document] = {}
+        for epoch in sorted({epoch for epoch, _ in wanted}):
+            positions = [position for e, position in wanted if e == epoch]
+            for position, outcome in zip(positions, self._process(epoch, positions)):
+                if outcome[0] != "doc" or outcome[2] is None:
+                    raise ValueError(
+                        f"cannot resume the data loader: the record at {outcome[1]} no longer gives the document it "
+                        "gave when the state was saved (did the data change?)"
+                    )
+                docs[(epoch, position)] = outcome[2]
+        missing = [source for source in wanted if source not in docs]
+        if missing:
+            raise ValueError(
+                f"cannot resume the data loader: the stream ended before position {missing[0][1]} of epoch "
+                f"{missing[0][0]}, which held a document when the state was saved (did the data change?)"
+            )
+        return [[docs[(epoch, position)] for epoch, position in row] for row in rows]
 
     # ---- consuming ----------------------------------------------------------------------------------------
-    def _next_document(self) -> Document:
+    @property
+    def spent(self) -> bool:
+        """Whether `max_epochs` epochs are done (rows may still be waiting in the packer)."""
+        return self.max_epochs > 0 and self.epoch >= self.max_epochs
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether `max_epochs` epochs are done and every row has been returned (`next_row` raises SourceSpent)."""
+        return self.spent and not self.packer.open_rows and not self.ready_rows
+
+    def _next_document(self) -> Document | None:
+        """The next trainable document of this rank's shard; None when the epoch that ended was the last one."""
         while True:
-            if self.position == len(self._shard(self.epoch)):
+            if self.position == self._shard_len(self.epoch):
                 self._end_epoch()
+                if self.spent:
+                    return None
             if not self._ahead:
                 self._read_ahead()
+                if not self._ahead:  # a stream ended: its length is known now, and with it the epoch's end
+                    continue
             outcome = self._ahead.popleft()
             self.position += 1
             self.counters["records_seen"] += 1
@@ -272,15 +393,17 @@ class PackedDataLoader:
         c = self.counters
         logger.info(
             "data rank %d: epoch %d done (%d records in shard); totals: %d bad, %d overlong truncated, %d overlong "
-            "dropped, %d documents; starting epoch %d",
+            "dropped, %d documents; %s",
             self.dp_rank,
             self.epoch,
-            len(self._shard(self.epoch)),
+            self.position,
             c["bad_records"],
             c["overlong_truncated"],
             c["overlong_dropped"],
             c["documents"],
-            self.epoch + 1,
+            f"the last of max_epochs = {self.max_epochs}"
+            if self.epoch + 1 == self.max_epochs
+            else f"starting epoch {self.epoch + 1}",
         )
         if self._new_bad_in_epoch:
             logger.warning(
@@ -293,8 +416,7 @@ class PackedDataLoader:
         self._check_bad_fraction()
         if self.epoch_documents == 0 and self.epoch not in self.trained_before:  # a resumed epoch may be empty
             raise BadRecordError(
-                f"nothing trainable: a whole epoch of data rank {self.dp_rank}'s shard "
-                f"({len(self._shard(self.epoch))} records) "
+                f"nothing trainable: a whole epoch of data rank {self.dp_rank}'s shard ({self.position} records) "
                 f"gave no sample ({c['bad_records']} bad, {c['overlong_dropped']} over-long dropped so far); "
                 "check the data, [training] seq_len and [huggingface_dataset] overlong"
             )
@@ -303,42 +425,24 @@ class PackedDataLoader:
         self.epoch_documents = 0
         c["epochs_completed"] += 1
 
+    def next_row(self) -> list[Document]:
+        """The next packed row (its documents); raises `SourceSpent` once `max_epochs` are done and every row
+        has been returned (the rows being packed when the last epoch ended are closed, padded, and returned first)."""
+        while not self.ready_rows:
+            if not self.spent:
+                doc = self._next_document()
+                if doc is not None:
+                    self.ready_rows.extend(self.packer.add(doc))
+            elif self.packer.open_rows:
+                self.ready_rows.extend(self.packer.close_all())
+            else:
+                raise SourceSpent(f"data rank {self.dp_rank}: all {self.max_epochs} epoch(s) are done")
+        self.counters["rows"] += 1
+        return self.ready_rows.popleft()
+
     def _next_batch_now(self) -> dict[str, torch.Tensor]:
-        while len(self.ready_rows) < self.batch_size:
-            self.ready_rows.extend(self.packer.add(self._next_document()))
-        rows = [self.ready_rows.popleft() for _ in range(self.batch_size)]
-        self.counters["rows"] += len(rows)
+        rows = [self.next_row() for _ in range(self.batch_size)]
         return collate_rows(rows, self.seq_len, self.source.pad_id)
-
-    def next_batch(self) -> dict[str, torch.Tensor]:
-        """The next batch, computed in the calling thread (do not mix with iterating the loader)."""
-        if self._prefetcher is not None:
-            raise RuntimeError("next_batch() while the loader is being iterated with prefetching; use next(loader)")
-        return self._next_batch_now()
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        """The next batch; with `prefetch_batches` > 0 a background thread prepares batches ahead."""
-        if self.prefetch_batches == 0:
-            return self._next_batch_now()
-        if self._prefetcher is None:
-            self._delivered_state = self._state_now()
-            self._prefetcher = _Prefetcher(self._produce, self.prefetch_batches)
-        batch, self._delivered_state = self._prefetcher.get()
-        return batch
-
-    def _produce(self) -> tuple[dict[str, torch.Tensor], dict]:
-        batch = self._next_batch_now()
-        return batch, self._state_now()
-
-    def close(self) -> None:
-        """Stop the prefetch thread (iteration restarts it); the state stays that of the last batch returned."""
-        if self._prefetcher is not None:
-            self._prefetcher.close()
-            self._prefetcher = None
-            self.load_state_dict(self._delivered_state)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -349,7 +453,7 @@ class PackedDataLoader:
     # ---- state --------------------------------------------------------------------------------------------
     def _fingerprint(self) -> dict:
         return {
-            "num_records": len(self.source),
+            "num_records": None if self.source.streamed else len(self.source),
             "dp_rank": self.dp_rank,
             "dp_world_size": self.dp_world_size,
             "seq_len": self.seq_len,
@@ -359,12 +463,6 @@ class PackedDataLoader:
             "shuffle": self.shuffle,
             "shuffle_seed": self.shuffle_seed,
         }
-
-    def state_dict(self) -> dict:
-        """Plain-Python (JSON-serializable) state after the last batch returned."""
-        if self._prefetcher is not None:
-            return copy.deepcopy(self._delivered_state)
-        return self._state_now()
 
     def rank_state(self) -> dict:
         """This rank's part of the global data position, for `load_rank_states` (the trained-before sets,
@@ -380,7 +478,8 @@ class PackedDataLoader:
             "fingerprint": self._fingerprint(),
             "epoch": self.epoch,
             "position": self.position,
-            "trained_before": {str(e): _encode_positions(t) for e, t in sorted(self.trained_before.items())},
+            "trained_before": {str(e): t.to_json() for e, t in sorted(self.trained_before.items())},
+            "stream_records": self.stream_records,
             "epoch_documents": self.epoch_documents,
             "counters": dict(self.counters),
             "bad_examples": list(self.bad_examples),
@@ -391,9 +490,7 @@ class PackedDataLoader:
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"data loader state version {state.get('version')} != {STATE_VERSION}")
-        if self._prefetcher is not None:  # batches prepared ahead belong to the old position
-            self._prefetcher.close()
-            self._prefetcher = None
+        self._stop_prefetch()
         mine = self._fingerprint()
         for key, value in state["fingerprint"].items():
             if mine.get(key) != value:
@@ -401,19 +498,17 @@ class PackedDataLoader:
                     f"cannot resume the data loader: {key} was {value!r} in the checkpoint and is {mine.get(key)!r} "
                     "now; resuming needs the same data set, data-parallel size and data settings"
                 )
-        self._set_trained_before({int(e): _decode_positions(t) for e, t in state["trained_before"].items()})
+        self.trained_before = {int(e): TrainedSet.from_json(t) for e, t in state["trained_before"].items()}
+        self.stream_records = state.get("stream_records")
         self.epoch = state["epoch"]
         self.position = state["position"]
         self.epoch_documents = state["epoch_documents"]
         self.counters = dict.fromkeys(COUNTER_NAMES, 0) | state["counters"]
         self.bad_examples = list(state["bad_examples"])
         self._ahead.clear()
-        self.packer.load_open_rows([self._documents_at(row) for row in state["open_rows"]])
-        self.ready_rows = deque(self._documents_at(row) for row in state["ready_rows"])
-
-    def _set_trained_before(self, trained_before: dict[int, np.ndarray]) -> None:
-        self.trained_before = trained_before
-        self._shards.clear()
+        rows = self._rows_at(state["open_rows"] + state["ready_rows"])
+        self.packer.load_open_rows(rows[: len(state["open_rows"])])
+        self.ready_rows = deque(rows[len(state["open_rows"]) :])
 
     def load_rank_states(self, states: list[dict]) -> None:
         """Continue from the `rank_state()` of every rank of a saved run (any order; ranks that share a
@@ -440,12 +535,10 @@ class PackedDataLoader:
                     f"cannot resume the data loader: {key} was {saved[key]!r} in the checkpoint and is "
                     f"{mine[key]!r} now; the global sample order needs the same data set and shuffle settings"
                 )
-        if self._prefetcher is not None:
-            self._prefetcher.close()
-            self._prefetcher = None
+        self._stop_prefetch()
         changed = [k for k in mine if k != "dp_rank" and saved[k] != mine[k]]
-        epoch, trained = merge_trained_positions(ordered, len(self.source))
-        self._set_trained_before(trained)
+        epoch, self.trained_before = merge_trained_positions(ordered, mine["num_records"])
+        self.stream_records = next((s["stream_records"] for s in ordered if s.get("stream_records") is not None), None)
         self.epoch, self.position, self.epoch_documents = epoch, 0, 0
         self.counters = dict.fromkeys(COUNTER_NAMES, 0)
         self.bad_examples = []
@@ -459,62 +552,16 @@ class PackedDataLoader:
         self.packer.load_open_rows([])
         self.ready_rows = deque()
         if self.dp_rank == 0:
+            n = self._num_records()
+            left = "all" if n is None else str(self._trained(epoch).pool_size(n))
             logger.info(
-                "data: resuming on a new layout (%s changed): epoch %d continues with the %d records not yet "
+                "data: resuming on a new layout (%s changed): epoch %d continues with the %s records not yet "
                 "trained, shared by %d data-parallel ranks",
                 ", ".join(changed),
                 epoch,
-                len(self.source) - len(trained.get(epoch, ())),
+                left,
                 self.dp_world_size,
             )
-
-
-def _untrained(num_records: int, trained: np.ndarray | None) -> np.ndarray:
-    """Global positions 0..num_records-1 not in the sorted array `trained`, in order."""
-    every = np.arange(num_records, dtype=np.int64)
-    return every if trained is None or len(trained) == 0 else np.setdiff1d(every, trained, assume_unique=True)
-
-
-def _encode_positions(positions: np.ndarray) -> dict:
-    """Sorted unique positions as {"prefix": P, "beyond": [...]}: every position < P, plus those listed."""
-    prefix = int(np.argmax(positions != np.arange(len(positions)))) if len(positions) else 0
-    if len(positions) and positions[-1] == len(positions) - 1:
-        prefix = len(positions)
-    return {"prefix": prefix, "beyond": positions[prefix:].tolist()}
-
-
-def _decode_positions(encoded: dict) -> np.ndarray:
-    return np.concatenate([np.arange(encoded["prefix"], dtype=np.int64), np.asarray(encoded["beyond"], np.int64)])
-
-
-def merge_trained_positions(states: list[dict], num_records: int) -> tuple[int, dict[int, np.ndarray]]:
-    """From the states of data-parallel ranks 0..W-1 of a saved run: (first epoch not fully trained, {epoch:
-    sorted global positions trained} for that epoch and those after it some rank had started). A rank trained
-    its shard of every epoch it has left and the first `position` records of its current one; documents in
-    its open or ready rows were read but not trained."""
-    world = len(states)
-    trained_before = {int(e): _decode_positions(t) for e, t in states[0]["trained_before"].items()}
-    pending: dict[int, list[int]] = {}
-    for state in states:
-        for row in state["open_rows"] + state["ready_rows"]:
-            for epoch, position in row:
-                pending.setdefault(epoch, []).append(position)
-    first = min([s["epoch"] for s in states] + list(pending))
-    last = max([s["epoch"] for s in states] + list(trained_before))
-    trained = {}
-    for epoch in range(first, last + 1):
-        before = trained_before.get(epoch)
-        pool = _untrained(num_records, before)
-        parts = [before] if before is not None else []
-        for j, state in enumerate(states):
-            shard = pool[j::world]
-            if state["epoch"] > epoch:
-                parts.append(shard)
-            elif state["epoch"] == epoch:
-                parts.append(shard[: state["position"]])
-        done = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
-        trained[epoch] = np.setdiff1d(done, np.asarray(pending.get(epoch, []), np.int64), assume_unique=True)
-    return first, trained
 
 
 class _Prefetcher:
@@ -560,33 +607,3 @@ class _Prefetcher:
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{key} = {value!r}; expected one of {list(choices)}")
-
-
-def build_dataloader(
-    job_config, tokenizer, dp_rank: int, dp_world_size: int, validation: bool = False
-) -> PackedDataLoader:
-    """The data loader of one data-parallel rank from the `[training]` and `[huggingface_dataset]` config; with
-    `validation`, of `[validation] dataset_path` (and split) with the same settings, in file order and without a
-    prefetch thread (the validator reads it again from its start at every evaluation)."""
-    training, hf = job_config.training, job_config.huggingface_dataset
-    if training.dataset != "huggingface":
-        raise ValueError(f"[training] dataset = {training.dataset!r}; the only data set type is 'huggingface'")
-    # Records are always read lazily from disk (jsonl through a line-offset index, save_to_disk as
-    # memory-mapped arrow) and tokenized on the fly, so there is no separate streaming mode.
-    v = job_config.validation
-    path, split = (v.dataset_path, v.split or hf.split) if validation else (training.dataset_path, hf.split)
-    records = open_records(path, hf.conversations_field, split)
-    source = ChatDocumentSource(records, ChatTokenizer(tokenizer), seq_len=training.seq_len, overlong=hf.overlong)
-    return PackedDataLoader(
-        source,
-        seq_len=training.seq_len,
-        local_batch_size=training.local_batch_size,
-        packing=hf.packing,
-        shuffle=hf.shuffle and not validation,
-        shuffle_seed=hf.shuffle_seed,
-        bad_record_policy=hf.bad_record_policy,
-        max_bad_fraction=hf.max_bad_fraction,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        prefetch_batches=0 if validation else 2,
-    )

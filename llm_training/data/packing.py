@@ -97,6 +97,11 @@ class RowPacker:
         self._used.pop(slot)
         return self.open_rows.pop(slot)
 
+    def close_all(self) -> list[list[Document]]:
+        """Close every open row (oldest first) and return them: the source has no more documents."""
+        rows, self.open_rows, self._used = self.open_rows, [], []
+        return rows
+
     def load_open_rows(self, rows: list[list[Document]]) -> None:
         self.open_rows = rows
         self._used = [sum(len(doc) for doc in row) for row in rows]

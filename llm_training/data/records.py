@@ -1,18 +1,24 @@
-"""Random-access readers for the raw records of a chat data set, each record tagged with its location.
+"""Readers for the raw records of a chat data set, each record tagged with its location.
 
-Two sources, picked from `[training] dataset_path`:
+Picked from a path (`[training] dataset_path`, or `path` of a `[[training.sources]]` table):
 - a `*.jsonl` file or a folder of them (read with our own line index: no `datasets` needed, and every record
   knows its `file:line` for error messages and exact resumption);
-- a `datasets.save_to_disk` directory (a Dataset, or a DatasetDict from which `[huggingface_dataset] split`
-  is taken); `datasets` is imported only here, lazily.
+- a `*.parquet` file or a folder of them (converted once by `datasets` into memory-mapped arrow files in its cache,
+  `[huggingface_dataset] cache_dir`, for random access; every record knows its `file row k`);
+- a `datasets.save_to_disk` directory (a Dataset, or a DatasetDict from which the split is taken).
+HuggingFace Hub data sets come through `data.hub` as the same `DatasetRecords` (downloaded) or as `StreamRecords`
+(streamed, parquet files too). `datasets` is imported only where needed, lazily.
 
-`fetch(indices)` returns, per index, `(location, conversation)` where `conversation` is the raw value of the
-conversations field, or a `BadRecord` saying why the record has none.
+Random-access readers (`streamed = False`) have `len()` and `fetch(indices)`, which returns, per index,
+`(location, conversation)` where `conversation` is the raw value of the conversations field, or a `BadRecord`
+saying why the record has none. A stream (`streamed = True`) has no length or random access: `read(epoch,
+positions, seed)` returns the same pairs for ascending positions of the epoch's order, fewer at its end.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 from pathlib import Path
 
@@ -20,8 +26,11 @@ import numpy as np
 
 from llm_training.data.chat import BadRecord
 
+logger = logging.getLogger(__name__)
+
 NEWLINE = 10
 SCAN_CHUNK_BYTES = 1 << 26
+STREAM_SKIP_WARNING = 10000  # records a stream is read again (on a resume) from which that cost is reported
 
 
 def is_save_to_disk_dir(path: Path) -> bool:
@@ -33,6 +42,8 @@ def is_save_to_disk_dir(path: Path) -> bool:
 
 class JsonlRecords:
     """All non-empty lines of one `*.jsonl` file or of every `*.jsonl` file under a folder (sorted, recursive)."""
+
+    streamed = False
 
     def __init__(self, path: Path, conversations_field: str):
         self.field = conversations_field
@@ -83,11 +94,28 @@ class JsonlRecords:
         return record[self.field]
 
 
+def data_files(path: Path) -> tuple[str, list[Path]]:
+    """("jsonl" or "parquet", the files): `path` itself, or every `*.jsonl` file under the folder `path` (sorted,
+    recursive), else every `*.parquet` file; at least one, and not both kinds in one folder."""
+    if path.is_file():
+        return ("parquet" if path.suffix == ".parquet" else "jsonl"), [path]
+    found = {kind: sorted(p for p in path.rglob(f"*.{kind}") if p.is_file()) for kind in ("jsonl", "parquet")}
+    if found["jsonl"] and found["parquet"]:
+        raise ValueError(
+            f"[training] dataset_path: {str(path)!r} holds both *.jsonl and *.parquet files; put each kind in its "
+            "own folder (two [[training.sources]] tables mix them)"
+        )
+    kind = "jsonl" if found["jsonl"] else "parquet"
+    if not found[kind]:
+        raise FileNotFoundError(f"[training] dataset_path: no *.jsonl files (nor *.parquet files) under {str(path)!r}")
+    return kind, found[kind]
+
+
 def jsonl_files(path: Path) -> list[Path]:
     """`path` itself, or every `*.jsonl` file under the folder `path` (sorted, recursive); at least one."""
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*.jsonl") if p.is_file())
-    if not files:
-        raise FileNotFoundError(f"[training] dataset_path: no *.jsonl files under {str(path)!r}")
+    kind, files = data_files(path)
+    if kind != "jsonl":
+        raise ValueError(f"[training] dataset_path: {str(path)!r} holds parquet files, not jsonl")
     return files
 
 
@@ -125,73 +153,204 @@ def _spans_of(buf: mmap.mmap) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return starts[keep], ends[keep], line_nos[keep]
 
 
-class SaveToDiskRecords:
-    """Rows of a `datasets.save_to_disk` directory (memory-mapped arrow; only the conversations column is read)."""
+def import_datasets(what: str):
+    """The `datasets` module, or an ImportError saying that `what` needs it."""
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ImportError(f"{what} needs the 'datasets' package (pip install datasets); jsonl input does not.") from exc
+    return datasets
+
+
+def _check_column(column_names, field: str, name: str) -> None:
+    if column_names is not None and field not in column_names:
+        raise KeyError(
+            f"[huggingface_dataset] conversations_field: {field!r} is not a column of {name}; columns: {column_names}"
+        )
+
+
+def _value(field: str, record_value) -> object:
+    return BadRecord(f"{field!r} is null") if record_value is None else record_value
+
+
+class DatasetRecords:
+    """Rows of a `datasets.Dataset` (memory-mapped arrow; only the conversations column is read), named `name` in
+    messages; `row_location(i)` names row i (default: `<name> row i`)."""
+
+    streamed = False
+
+    def __init__(self, data, name: str, conversations_field: str, row_location=None, empty_files=()):
+        _check_column(data.column_names, conversations_field, name)
+        self.name, self.field = name, conversations_field
+        self.empty_files: list[Path] = list(empty_files)
+        self._data = data.select_columns([conversations_field])
+        self._row_location = row_location or (lambda index: f"{name} row {index}")
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def location(self, index: int) -> str:
+        return self._row_location(index)
+
+    def fetch(self, indices) -> list[tuple[str, object]]:
+        indices = [int(i) for i in indices]
+        column = self._data[indices][self.field] if indices else []
+        return [(self.location(i), _value(self.field, value)) for i, value in zip(indices, column)]
+
+
+class SaveToDiskRecords(DatasetRecords):
+    """Rows of a `datasets.save_to_disk` directory (a Dataset, or the `split` of a DatasetDict)."""
 
     def __init__(self, path: Path, conversations_field: str, split: str):
-        try:
-            import datasets
-        except ImportError as exc:
-            raise ImportError(
-                f"[training] dataset_path {str(path)!r} is a datasets.save_to_disk directory, which needs the "
-                "'datasets' package (pip install datasets); jsonl input does not."
-            ) from exc
+        datasets = import_datasets(f"[training] dataset_path {str(path)!r} is a datasets.save_to_disk directory, which")
         data = datasets.load_from_disk(str(path))
-        self.name = str(path)
+        name = str(path)
         if isinstance(data, datasets.DatasetDict):
             if split not in data:
                 raise KeyError(
                     f"[huggingface_dataset] split: {split!r} is not in {str(path)!r}; available splits: {sorted(data)}"
                 )
             data = data[split]
-            self.name = f"{path} (split {split!r})"
-        if conversations_field not in data.column_names:
-            raise KeyError(
-                f"[huggingface_dataset] conversations_field: {conversations_field!r} is not a column of "
-                f"{self.name}; columns: {data.column_names}"
-            )
-        self.field = conversations_field
+            name = f"{path} (split {split!r})"
+        super().__init__(data, name, conversations_field)
+
+
+def parquet_dataset(files: list[Path], cache_dir: str, streaming: bool):
+    """The rows of `files` in order as a `datasets` Dataset (converted into the cache once) or IterableDataset."""
+    datasets = import_datasets("[training] dataset_path with *.parquet files")
+    return datasets.load_dataset(
+        "parquet",
+        data_files=[str(f) for f in files],
+        split="train",
+        cache_dir=cache_dir or None,
+        streaming=streaming,
+    )
+
+
+class ParquetRecords(DatasetRecords):
+    """Rows of `*.parquet` files, in file order (converted for random access into the `datasets` cache)."""
+
+    def __init__(self, files: list[Path], conversations_field: str, cache_dir: str):
+        import pyarrow.parquet as pq
+
+        starts = np.cumsum([0] + [pq.ParquetFile(f).metadata.num_rows for f in files])
+
+        def row_location(index: int) -> str:
+            k = int(np.searchsorted(starts, index, side="right")) - 1
+            return f"{files[k]} row {index - starts[k]}"
+
+        empty_files = [f for f, n in zip(files, np.diff(starts)) if n == 0]
+        name = str(files[0]) if len(files) == 1 else f"{files[0].parent} ({len(files)} parquet files)"
+        data = parquet_dataset(files, cache_dir, streaming=False)
+        super().__init__(data, name, conversations_field, row_location, empty_files)
+
+
+class StreamRecords:
+    """The records of a `datasets.IterableDataset`, read in order (no random access, no length until the end has
+    been read). Epoch e's order is the stream itself, or, with a seed, the stream shuffled in a buffer of
+    `buffer_size` records with seed + e (`IterableDataset.shuffle` + `set_epoch`): the same on every rank."""
+
+    streamed = True
+
+    def __init__(self, data, name: str, conversations_field: str, buffer_size: int):
+        _check_column(data.column_names, conversations_field, name)
+        self.name, self.field, self.buffer_size = name, conversations_field, buffer_size
         self.empty_files: list[Path] = []
-        self._data = data.select_columns([conversations_field])
+        self.length: int | None = None  # records in the stream, once its end has been read
+        self._data = data.select_columns([conversations_field]) if data.column_names is not None else data
+        self._key: tuple | None = None  # (epoch, seed) of the open iterator
+        self._iterator = None
+        self._cursor = 0  # position of the next record the iterator yields
 
-    def __len__(self) -> int:
-        return len(self._data)
+    def location(self, epoch: int, position: int) -> str:
+        return f"{self.name} record {position} of epoch {epoch}"
 
-    def location(self, index: int) -> str:
-        return f"{self.name} row {index}"
+    def _open(self, epoch: int, seed: int | None, first: int) -> None:
+        stream = self._data if seed is None else self._data.shuffle(seed=seed, buffer_size=self.buffer_size)
+        stream.set_epoch(epoch)
+        if first >= STREAM_SKIP_WARNING:
+            logger.warning(
+                "data: %s is a stream (no random access): reading its first %d records of epoch %d again to reach "
+                "the resumed position; they are not tokenized, but they are downloaded",
+                self.name, first, epoch,
+            )  # fmt: skip
+        self._iterator, self._key, self._cursor = iter(stream), (epoch, seed), 0
 
-    def fetch(self, indices) -> list[tuple[str, object]]:
-        indices = [int(i) for i in indices]
-        column = self._data[indices][self.field] if indices else []
-        return [
-            (self.location(i), BadRecord(f"{self.field!r} is null") if value is None else value)
-            for i, value in zip(indices, column)
-        ]
+    def read(self, epoch: int, positions, seed: int | None) -> list[tuple[str, object]]:
+        """(location, conversation) of the records at ascending `positions` of epoch `epoch`'s order; fewer when the
+        stream ends before the last of them (`length` is then known)."""
+        positions = [int(p) for p in positions]
+        if not positions:
+            return []
+        if self._key != (epoch, seed) or positions[0] < self._cursor:
+            self._open(epoch, seed, positions[0])
+        out = []
+        for position in positions:
+            try:
+                while self._cursor < position:  # the records of the other ranks (and, on a resume, those trained)
+                    next(self._iterator)
+                    self._cursor += 1
+                record = next(self._iterator)
+            except StopIteration:
+                self.length = self._cursor
+                break
+            self._cursor += 1
+            out.append((self.location(epoch, position), _value(self.field, record.get(self.field))))
+        return out
 
 
-def check_dataset(dataset_path: str | Path, conversations_field: str, split: str) -> None:
-    """Fail fast, naming the config key, when `dataset_path` cannot give a record: missing path, no jsonl files,
-    only empty files, a split or column that is not there, `datasets` not installed. Cheap: jsonl files are
-    read only up to their first line, a save_to_disk directory is memory-mapped."""
+def check_dataset(
+    dataset_path: str | Path, conversations_field: str, split: str, cache_dir: str = "", streaming: bool = False
+) -> None:
+    """Fail fast, naming the config key, when `dataset_path` cannot give a record: missing path, no jsonl or parquet
+    files, only empty files, a split or column that is not there, `datasets` not installed, streaming asked of jsonl
+    or save_to_disk data. Cheap: jsonl files are read only up to their first line, parquet files only to their
+    metadata (and converted into the cache once), a save_to_disk directory is memory-mapped."""
     path = Path(dataset_path).expanduser()
     if dataset_path and path.exists() and not is_save_to_disk_dir(path):
-        files = jsonl_files(path)
-        if not any(_has_a_line(file) for file in files):
+        kind, files = data_files(path)
+        if streaming and kind != "parquet":
+            raise ValueError(
+                f"[training] dataset_path: {str(path)!r} holds *.jsonl files, read lazily already: streaming "
+                "applies to hub and parquet data; set streaming = false"
+            )
+        if kind == "jsonl" and not any(_has_a_line(file) for file in files):
             raise ValueError(
                 f"[training] dataset_path: {str(path)!r} has no records ({len(files)} jsonl file(s), all empty); "
                 "point it at the data"
             )
-        return
-    records = open_records(dataset_path, conversations_field, split)
-    if len(records) == 0:
+        if kind == "jsonl":
+            return
+    elif streaming and dataset_path and is_save_to_disk_dir(path):
+        raise ValueError(
+            f"[training] dataset_path: {str(path)!r} is a save_to_disk directory, memory-mapped already: streaming "
+            "applies to hub and parquet data; set streaming = false"
+        )
+    records = open_records(dataset_path, conversations_field, split, cache_dir=cache_dir, streaming=streaming)
+    check_records(records)
+
+
+def check_records(records) -> None:
+    """The records hold at least one record (a stream: its first record is read)."""
+    empty = not records.read(0, [0], None) if records.streamed else len(records) == 0
+    if empty:
         raise ValueError(f"[training] dataset_path: {records.name} has no rows; point it at the data")
 
 
-def open_records(dataset_path: str | Path, conversations_field: str, split: str) -> JsonlRecords | SaveToDiskRecords:
-    """Pick the reader for `dataset_path`; fail with the key name when the path does not exist."""
+def open_records(
+    dataset_path: str | Path,
+    conversations_field: str,
+    split: str,
+    *,
+    cache_dir: str = "",
+    streaming: bool = False,
+    shuffle_buffer: int = 10000,
+):
+    """Pick the reader for `dataset_path` (a `StreamRecords` for parquet files with `streaming`); fail with the key
+    name when the path does not exist."""
     if not dataset_path:
         raise ValueError(
-            "[training] dataset_path is empty: set it to a *.jsonl file, a folder of them, or a "
+            "[training] dataset_path is empty: set it to a *.jsonl or *.parquet file, a folder of them, or a "
             "datasets.save_to_disk directory"
         )
     path = Path(dataset_path).expanduser()
@@ -199,7 +358,28 @@ def open_records(dataset_path: str | Path, conversations_field: str, split: str)
         raise FileNotFoundError(f"[training] dataset_path: {str(path)!r} does not exist")
     if is_save_to_disk_dir(path):
         return SaveToDiskRecords(path, conversations_field, split)
-    return JsonlRecords(path, conversations_field)
+    kind, files = data_files(path)
+    if kind == "jsonl":
+        return JsonlRecords(path, conversations_field)
+    if streaming:
+        name = str(path)
+        return StreamRecords(
+            parquet_dataset(files, cache_dir, streaming=True), name, conversations_field, shuffle_buffer
+        )
+    return ParquetRecords(files, conversations_field, cache_dir)
 
 
-__all__ = ["JsonlRecords", "SaveToDiskRecords", "check_dataset", "is_save_to_disk_dir", "jsonl_files", "open_records"]
+__all__ = [
+    "DatasetRecords",
+    "JsonlRecords",
+    "ParquetRecords",
+    "SaveToDiskRecords",
+    "StreamRecords",
+    "check_dataset",
+    "check_records",
+    "data_files",
+    "import_datasets",
+    "is_save_to_disk_dir",
+    "jsonl_files",
+    "open_records",
+]

@@ -10,6 +10,8 @@ MFU is reported in both conventions of docs/architecture.md §7 (`training_flops
 "megatron"|"torchtitan")`) against the dense bf16 peak of the detected GPU; on CPU it is n/a. Beside the
 padded figures (every position of every row), the true throughput counts only the tokens of documents:
 `real_tokens_per_s`, `real_mfu_*` and `packing_efficiency` (their share of the rows) per logging interval.
+A data mixture (`[[training.sources]]`) adds `tokens/<source>`: the real tokens of each source trained so far
+(`SourceTokenCounts`, summed over ranks and the applied steps, kept in the checkpoint), also at the end of the line.
 wandb settings come from the environment only (`wandb_init_kwargs`: WANDB_PROJECT, WANDB_TEAM, WANDB_RUN_NAME,
 WANDB_RUN_ID, WANDB_API_KEY, WANDB_MODE): never from the TOML; the key is never printed or written.
 """
@@ -56,6 +58,14 @@ def peak_bf16_flops(device: torch.device) -> float | None:
 
 def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
+
+
+def _count(n: int) -> str:
+    """A token count in a few characters: 950, 12.3K, 4.56M, 7.89B."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
 
 
 def format_eta(seconds: float) -> str:
@@ -113,6 +123,30 @@ class StepRecord:
     qk_clip_events: int = 0  # heads rescaled by QK-clip this step
     skipped: bool = False  # non-finite step, not applied
     spike: bool = False  # loss spike ([loss_spike]), not applied
+    source_tokens: dict[str, int] | None = None  # a mixture's real tokens per source trained so far (cumulative)
+
+
+class SourceTokenCounts:
+    """The real (non-padding) tokens of each data source of a mixture in the applied optimizer steps so far, summed
+    over all ranks: the `tokens/<source>` metrics. Checkpointed; a checkpoint without it (another version, or a
+    single-source run) leaves the counts at zero (`optional_in_checkpoint`)."""
+
+    optional_in_checkpoint = True
+
+    def __init__(self, names: list[str]):
+        self.counts = dict.fromkeys(names, 0)
+
+    def add(self, tokens: list[float]) -> None:
+        """Add one step's tokens of each source (in the order of `names`)."""
+        for name, value in zip(list(self.counts), tokens):
+            self.counts[name] += round(value)
+
+    def state_dict(self) -> dict:
+        return {"json": json.dumps(self.counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = json.loads(state["json"])
+        self.counts = {name: int(saved.get(name, 0)) for name in self.counts}
 
 
 @dataclass
@@ -235,19 +269,22 @@ class MetricsLogger:
             "loss_spikes": self._spikes_total,
             "eta_s": eta_s,
         }
+        sources = last.source_tokens or {}
+        metrics.update({f"tokens/{name}": count for name, count in sources.items()})
         if not self.is_rank0:
             return
         pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
         logger.info(
             "step %d/%d  loss %.4f (ce %.4f mtp %.4f bal %.4g)  gnorm %.3f  lr %.3g  tok/s %.0f (real %s, packed %s)  "
             "TFLOP/s/gpu %s|%s  MFU %s|%s (megatron|torchtitan)  mem %s GiB  imbalance %s  "
-            "qk-clip %d  skipped %d  spikes %d  eta %s",
+            "qk-clip %d  skipped %d  spikes %d  eta %s%s",
             last.step, self.total_steps, metrics["loss"], metrics["ce_loss"], metrics["mtp_loss"],
             metrics["balance_loss"], metrics["grad_norm"], last.lr, tps, _fmt(real_tps, ".0f"), pct(packing),
             _fmt(tflops["megatron"], ".3g"), _fmt(tflops["torchtitan"], ".3g"),
             pct(mfu["megatron"]), pct(mfu["torchtitan"]), _fmt(peak_mem, ".1f"),
             _fmt(metrics["expert_imbalance_max_over_mean"], ".2f"), self._qk_clip_total, self._skipped_total,
             self._spikes_total, format_eta(eta_s),
+            "  tokens " + " ".join(f"{name} {_count(count)}" for name, count in sources.items()) if sources else "",
         )  # fmt: skip
         if self.save_jsonl:
             with self.jsonl_path.open("a") as f:

@@ -6,7 +6,8 @@
   the first resumed step use the current `[training] steps` / `[lr_scheduler]` settings, as a fresh run with
   those settings would (a 3-step run extended to 6 steps matches a 6-step run).
 * `changed_config_keys` / `warn_changed_config`: the keys of the resolved config that differ from the one
-  stored in the checkpoint (`train_state.config_toml`), reported once.
+  stored in the checkpoint (`train_state.config_toml`), reported once (one key of a [[section.key]] table as
+  `section.key.N.subkey`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,15 @@ def reapply_lr_schedule(lr_scheduler) -> None:
 
 
 def _flatten(toml_text: str) -> dict[str, object]:
-    return {
-        f"{section}.{key}": value for section, keys in tomllib.loads(toml_text).items() for key, value in keys.items()
-    }
+    """`section.key` -> value; a list of tables ([[training.sources]]) as `section.key.N.subkey` -> value."""
+    flat = {}
+    for section, keys in tomllib.loads(toml_text).items():
+        for key, value in keys.items():
+            if value and isinstance(value, list) and all(isinstance(v, dict) for v in value):
+                flat |= {f"{section}.{key}.{n}.{k}": v for n, table in enumerate(value) for k, v in table.items()}
+            else:
+                flat[f"{section}.{key}"] = value
+    return flat
 
 
 def changed_config_keys(saved_toml: str, current_toml: str) -> list[tuple[str, object, object]]:

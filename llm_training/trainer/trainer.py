@@ -55,7 +55,7 @@ from llm_training.trainer.checkpoint import (
 from llm_training.trainer.components import build_components
 from llm_training.trainer.hf_export import export_hf_snapshot, hf_export_due
 from llm_training.trainer.losses import count_labelled_tokens, forward_loss
-from llm_training.trainer.metrics import MFU_CONVENTIONS, MetricsLogger, StepRecord
+from llm_training.trainer.metrics import MFU_CONVENTIONS, MetricsLogger, SourceTokenCounts, StepRecord
 from llm_training.trainer.profiling import StepProfiler
 from llm_training.trainer.resume import reapply_lr_schedule, warn_changed_config
 from llm_training.trainer.spikes import LossSpikeDetector
@@ -261,6 +261,9 @@ class Trainer:
         self.stop_signal = _StopSignal()
         self.nonfinite_in_a_row = 0
         self.spike_detector = LossSpikeDetector.from_config(c.loss_spike) if c.loss_spike.enable else None
+        # a mixture's batches carry source_ids: its real tokens per source are counted (tokens/<source> metrics)
+        names = [s.resolved_name for s in c.training.sources]
+        self.source_tokens = SourceTokenCounts(names) if names else None
 
     # ------------------------------------------------------------------ checkpoint state
     def checkpoint_state(self) -> dict:
@@ -276,6 +279,8 @@ class Trainer:
         }
         if self.spike_detector is not None:
             state["spike_detector"] = self.spike_detector
+        if self.source_tokens is not None:
+            state["source_tokens"] = self.source_tokens
         return state
 
     def _resume_or_initial_load(self) -> None:
@@ -365,10 +370,18 @@ class Trainer:
         self.parallel.sync_replicated_grads()
         # One SUM all-reduce for the losses, two flags (this rank saw a non-finite loss / a stop signal) and the
         # summed statistics; one MAX all-reduce for the max statistics.
-        # ... and this rank's non-padding tokens (the cp ranks of a data rank read the same batch: counted once).
+        # ... and this rank's non-padding tokens, in total and (a mixture) per source (the cp ranks of a data rank
+        # read the same batch: counted once).
         flags = [float(not bool(torch.isfinite(parts).all())), float(self.stop_signal.received is not None)]
-        real_tokens = sum(int(mb["real_tokens"].sum()) for mb in micro_batches) / self.parallel_dims.cp
-        extra = torch.tensor([*flags, real_tokens], dtype=torch.float64, device=self.device)
+        cp = self.parallel_dims.cp
+        real_tokens = sum(int(mb["real_tokens"].sum()) for mb in micro_batches) / cp
+        per_source = []
+        if self.source_tokens is not None:
+            counts = torch.zeros(len(self.source_tokens.counts), dtype=torch.float64)
+            for mb in micro_batches:
+                counts.index_add_(0, mb["source_ids"], mb["real_tokens"].double())
+            per_source = (counts / cp).tolist()
+        extra = torch.tensor([*flags, real_tokens, *per_source], dtype=torch.float64, device=self.device)
         sums, global_stats = all_reduce_step(torch.cat([parts, extra]), stats)
         parts, any_nonfinite_loss, self._stop_requested = sums[:4], bool(sums[4] > 0), bool(sums[5] > 0)
 
@@ -395,6 +408,8 @@ class Trainer:
             model_metrics = self.hooks.after_step(global_stats, applied=True)
             self.lr_scheduler.step()
             self.optimizers.zero_grad()
+            if self.source_tokens is not None:
+                self.source_tokens.add(sums[7:].tolist())
         return StepRecord(
             step=step,
             loss=parts[0].item(),
@@ -408,6 +423,7 @@ class Trainer:
             step_time_s=0.0,
             skipped=nonfinite,
             spike=spike is not None,
+            source_tokens=dict(self.source_tokens.counts) if self.source_tokens is not None else None,
             **model_metrics,
         )
 

@@ -33,3 +33,5 @@ def test_changed_config_keys_lists_every_difference():
     saved = "[training]\nsteps = 3\nseed = 1\n\n[metrics]\nlog_freq = 10\n"
     current = "[training]\nsteps = 6\nseed = 1\n\n[metrics]\nlog_freq = 10\nsave_jsonl = true\n"
     assert changed_config_keys(saved, current) == [("metrics.save_jsonl", None, True), ("training.steps", 3, 6)]
+    tables = "[training]\n[[training.sources]]\npath = 'a'\nweight = {}\n[[training.sources]]\npath = 'b'\n"
+    assert changed_config_keys(tables.format(1.0), tables.format(2.0)) == [("training.sources.0.weight", 1.0, 2.0)]

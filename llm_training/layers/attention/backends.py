@@ -95,9 +95,16 @@ def _fused_sdpa_only():
 def sdpa_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits):
     """torch SDPA: `is_causal` when there is neither a window nor documents (fused kernels only on CUDA:
     cuDNN for the GDLA shape), else an explicit boolean mask (whatever kernel torch picks).
-    GQA through `enable_gqa` (torch >= 2.5; our floor is 2.11)."""
+    GQA through `enable_gqa` (torch >= 2.5; our floor is 2.11). On CPU, v narrower than q / k (GDLA: 128 vs 192)
+    gets zero columns up to their width and the output loses them again: torch's CPU flash kernel, which needs
+    one head dim and never materialises the [S, S] scores, then runs instead of the math kernel (the attention
+    weights do not depend on v, so the first columns are the same attention; fwd+bwd at the motif3_debug shape:
+    18 ms instead of 28-38 ms per layer on 2 cores)."""
     document_ids = metadata.document_ids
     q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKE))
+    v_width = v.shape[-1]
+    if not q.is_cuda and v_width < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - v_width))
     if window is None and document_ids is None:
         # The fused kernels take bf16/fp16 only; fp32 on CUDA (mixed_precision_param = "float32") keeps
         # torch's full choice, which includes the math kernel.
@@ -111,7 +118,7 @@ def sdpa_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_ma
     max_logits = None
     if record_max_logits:
         max_logits = attention_max_logits(q_BSHD, k_BSKD, scale=scale, window=window, document_ids=document_ids)
-    return out.transpose(1, 2), max_logits
+    return out[..., :v_width].transpose(1, 2), max_logits
 
 
 _compiled_flex = None
