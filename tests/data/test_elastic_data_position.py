@@ -51,6 +51,14 @@ def _records(log, loader):
     return [(epoch, int(loader._order(epoch)[position])) for epoch, position in log]
 
 
+def train_past_epoch_1(loaders) -> None:
+    """Train every rank's loader on until each is in epoch 2 with nothing of epochs 0 and 1 left in its rows."""
+    while any(s["epoch"] < 2 or any(src[0] < 2 for row in s["open_rows"] + s["ready_rows"] for src in row)
+              for s in (loader.state_dict() for loader in loaders)):  # fmt: skip
+        for loader in loaders:
+            loader.next_batch()
+
+
 @pytest.mark.parametrize("chain", [(1, 2), (2, 1), (2, 4), (3, 2, 5, 1)])
 def test_every_record_once_per_epoch_across_layout_changes(chain, data_path, hf_tokenizer, trained_log):
     loaders = _loaders(data_path, hf_tokenizer, chain[0])
@@ -62,11 +70,7 @@ def test_every_record_once_per_epoch_across_layout_changes(chain, data_path, hf_
         loaders = _loaders(data_path, hf_tokenizer, new_world)
         for loader in loaders:
             loader.load_rank_states(saved)
-    # train on until every rank is in epoch 2 with nothing of epochs 0 and 1 left in its rows
-    while any(s["epoch"] < 2 or any(src[0] < 2 for row in s["open_rows"] + s["ready_rows"] for src in row)
-              for s in (loader.state_dict() for loader in loaders)):  # fmt: skip
-        for loader in loaders:
-            loader.next_batch()
+    train_past_epoch_1(loaders)
     trained = _records(trained_log, loaders[0])
     for epoch in (0, 1):
         records = sorted(r for e, r in trained if e == epoch)

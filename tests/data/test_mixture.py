@@ -10,6 +10,7 @@ from data_helpers import chat, make_loader, numbered_samples, write_jsonl
 
 from llm_training.data import ChatDocumentSource, ChatTokenizer, MixtureLoader, MixtureSpent, PackedDataLoader
 from llm_training.data.records import open_records
+from tests.data.test_elastic_data_position import train_past_epoch_1
 
 SIZES = {"a": 17, "b": 9}
 
@@ -197,10 +198,7 @@ def test_a_streamed_source_trains_every_record_once_per_epoch_and_resumes(parque
     loaders = [_stream_loader(parquet_path, hf_tokenizer, 3, r) for r in range(3)]
     for loader in loaders:
         loader.load_rank_states(saved)
-    while any(s["epoch"] < 2 or any(src[0] < 2 for row in s["open_rows"] + s["ready_rows"] for src in row)
-              for s in (loader.state_dict() for loader in loaders)):  # fmt: skip
-        for loader in loaders:
-            loader.next_batch()
+    train_past_epoch_1(loaders)
     for epoch in (0, 1):
         assert sorted(r for e, r in log if e == epoch) == list(range(23)), epoch
     orders = [[r for e, r in log if e == epoch] for epoch in (0, 1)]
