@@ -34,6 +34,31 @@ GROUP_MULTIPLE = {"fp8_rowwise": 16, "mxfp8": 32, "fp8_blockwise": 128}  # token
 # features; wgrad: tokens): one scale per row (16: the FP8 GEMM's 16-byte rule), per 32 or per 128 elements.
 DIM_MULTIPLE = {"fp8_rowwise": 16, "mxfp8": 32, "fp8_blockwise": 128}
 TORCHAO_INSTALL = "pip install torchao==0.18.0 (pinned by the repo's gpu and dev extras)"
+# torchao 0.18 autotunes its three 1x128 activation-quantization kernels (lhs, rhs, transposed lhs) over 45 Triton
+# configs (NUM_GROUPS 2..128 x 3 warp counts x 3 stage counts) for every K, and a first step compiles and times all
+# of them: a motif3_small fp8_blockwise step took 426 s on the H200 before its first loss. The kernels have no loop,
+# so the stage count changes nothing, and the small groups leave the GPU's memory bandwidth unused. We keep these
+# (NUM_GROUPS, num_warps) configs, every one within a few percent of the best of all 45 at every K of the
+# motif3_small and motif3 GEMMs (bench/bench_blockwise_quant.py, H200: bench/results/bench_blockwise_quant.json).
+BLOCKWISE_QUANT_CONFIGS = ((32, 4), (64, 4), (64, 8), (128, 8))
+BLOCKWISE_QUANT_KERNELS = (
+    "triton_fp8_blockwise_act_quant_lhs_kernel",
+    "triton_fp8_blockwise_act_quant_rhs_kernel",
+    "triton_fp8_blockwise_act_quant_transposed_lhs_kernel",
+)
+
+
+def trim_blockwise_quant_autotune(configs=BLOCKWISE_QUANT_CONFIGS) -> None:
+    """Restrict torchao's blockwise activation-quantization autotuners to `configs` ((NUM_GROUPS, num_warps)
+    pairs): the module-level Autotuner objects are shared, so this holds for every later call (eager, and the
+    kernels torch.compile wraps, which read the configs when they are traced). Imports torchao."""
+    import triton
+    from torchao.prototype.blockwise_fp8_training import kernels as blockwise
+
+    for name in BLOCKWISE_QUANT_KERNELS:
+        autotuner = getattr(blockwise, name)
+        autotuner.configs = [triton.Config({"NUM_GROUPS": g}, num_warps=w, num_stages=2) for g, w in configs]
+        autotuner.cache.clear()
 
 
 def fits_cuda_kernel(recipe: str, *dims: int) -> bool:
@@ -111,6 +136,7 @@ def _torchao_linear(recipe: str, mx_wgrad_with_hp: bool) -> Callable[[torch.Tens
         )
     from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
 
+    trim_blockwise_quant_autotune()
     return lambda x_NK, w_OK: fp8_blockwise_mm.apply(x_NK, w_OK.contiguous(), 128, x_NK.dtype, False)
 
 
@@ -142,6 +168,7 @@ def _torchao_grouped_mm(
         )
     from torchao.prototype.moe_training.blockwise_fp8.grouped_mm import _to_fp8_blockwise_then_scaled_grouped_mm
 
+    trim_blockwise_quant_autotune()
     return lambda x, b, offs: _to_fp8_blockwise_then_scaled_grouped_mm(
         x, b, offs, out_dtype=x.dtype, block_size=128, pad_token_groups_for_grouped_mm=False
     )
@@ -244,4 +271,12 @@ def torchao_problem() -> str | None:
     return None
 
 
-__all__ = ["DIM_MULTIPLE", "GROUP_MULTIPLE", "RecipeKernels", "fits_cuda_kernel", "torchao_problem"]
+__all__ = [
+    "BLOCKWISE_QUANT_CONFIGS",
+    "DIM_MULTIPLE",
+    "GROUP_MULTIPLE",
+    "RecipeKernels",
+    "fits_cuda_kernel",
+    "torchao_problem",
+    "trim_blockwise_quant_autotune",
+]

@@ -158,3 +158,25 @@ def test_compiled_converted_experts_match_eager(recipe, hp_weight_grad):
         # the same quantized operands either way; compiled and eager differ by the fusion of the elementwise
         # work around the GEMMs (bf16 roundings), an FP8 scale changing at an element near a power of two
         assert relative_error(c, e) < VS_EMULATION, (name, relative_error(c, e))
+
+
+@needs("fp8_blockwise")
+def test_blockwise_kernels_autotune_over_the_kept_configs_only():
+    """Binding fp8_blockwise trims torchao's 45-config activation-quantization autotune to BLOCKWISE_QUANT_CONFIGS
+    (a first step otherwise compiles and times all 45 per K), and the trimmed kernels still quantize exactly as the
+    emulation does."""
+    from torchao.prototype.blockwise_fp8_training import kernels as blockwise
+
+    from llm_training.quantization.kernels import BLOCKWISE_QUANT_CONFIGS, BLOCKWISE_QUANT_KERNELS
+
+    RecipeKernels("fp8_blockwise", hp_weight_grad=True, cuda=True)
+    for name in BLOCKWISE_QUANT_KERNELS:
+        kept = [(c.kwargs["NUM_GROUPS"], c.num_warps) for c in getattr(blockwise, name).configs]
+        assert kept == list(BLOCKWISE_QUANT_CONFIGS), name
+    x = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    y, s = blockwise.triton_fp8_blockwise_act_quant_lhs(x, 128)
+    x_tiles, s_tiles = x.float().view(256, 3, 128), s[:, :, None]  # s: one reciprocal scale per 1x128 tile
+    error = (y.float().view(256, 3, 128) * s_tiles - x_tiles).abs()
+    # e4m3 rounds to 3 mantissa bits: at most 2^-4 of each value (x 1.01 for the scale's own fp32 rounding), and
+    # below its smallest normal (2^-6) to steps of 2^-9, half a step being 2^-10 in the tile's scaled units
+    assert error.le(x_tiles.abs() * 2**-4 * 1.01 + s_tiles * 2**-10).all()
