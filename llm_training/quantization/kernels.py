@@ -35,12 +35,13 @@ GROUP_MULTIPLE = {"fp8_rowwise": 16, "mxfp8": 32, "fp8_blockwise": 128}  # token
 DIM_MULTIPLE = {"fp8_rowwise": 16, "mxfp8": 32, "fp8_blockwise": 128}
 TORCHAO_INSTALL = "pip install torchao==0.18.0 (pinned by the repo's gpu and dev extras)"
 # torchao 0.18 autotunes its three 1x128 activation-quantization kernels (lhs, rhs, transposed lhs) over 45 Triton
-# configs (NUM_GROUPS 2..128 x 3 warp counts x 3 stage counts) for every K, and a first step compiles and times all
-# of them: a motif3_small fp8_blockwise step took 426 s on the H200 before its first loss. The kernels have no loop,
-# so the stage count changes nothing, and the small groups leave the GPU's memory bandwidth unused. We keep these
-# (NUM_GROUPS, num_warps) configs, every one within a few percent of the best of all 45 at every K of the
-# motif3_small and motif3 GEMMs (bench/bench_blockwise_quant.py, H200: bench/results/bench_blockwise_quant.json).
-BLOCKWISE_QUANT_CONFIGS = ((32, 4), (64, 4), (64, 8), (128, 8))
+# configs (NUM_GROUPS 2..128 x 2/4/8 warps x 2/4/6 stages) for every K, and a first step compiles and times all of
+# them: 16 s per kernel and K on the H200, and a first motif3_small fp8_blockwise step took 426 s. The kernels have no
+# loop, so the stage count changes nothing. We keep four (NUM_GROUPS, num_warps) configs (1.2 s per kernel and K):
+# at every K >= 4096 of the motif3_small and motif3 GEMMs the best of them is within 2.4% of the best of all 45
+# (below 4096 every config times the ~90 us of the call's launch); bench/bench_blockwise_quant.py, H200:
+# bench/results/bench_blockwise_quant.json.
+BLOCKWISE_QUANT_CONFIGS = ((16, 8), (32, 4), (64, 2), (128, 8))
 BLOCKWISE_QUANT_KERNELS = (
     "triton_fp8_blockwise_act_quant_lhs_kernel",
     "triton_fp8_blockwise_act_quant_rhs_kernel",

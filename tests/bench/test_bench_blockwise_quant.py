@@ -1,6 +1,7 @@
 """bench/bench_blockwise_quant.py's CPU logic: the K values it times and how it scores the kept configs (the timing
 itself is the GPU run's)."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -20,16 +21,30 @@ def test_ks_are_the_padded_gemm_dims_of_the_flavor():
     assert 320 not in ks
 
 
-def test_kept_configs_are_among_torchaos_and_scored_against_the_best_of_all():
+def _row(kernel, k, ms_by_pair):
+    """A saved row: every one of torchao's 45 configs, the stage counts of a pair timed alike but one outlier."""
+    ms = {}
+    for g, w, s in bench_blockwise_quant.all_configs():
+        ms[str((g, w, s))] = ms_by_pair.get((g, w), 10.0) * (5.0 if s == 6 else 1.0)  # one stage count: noise
+    return {"kernel": kernel, "K": k, "ms_by_config": ms}
+
+
+def test_kept_configs_are_scored_by_their_median_over_stage_counts_against_the_best_pair():
     every = bench_blockwise_quant.all_configs()
-    assert len(every) == 45
-    assert all((g, w, 2) in every for g, w in BLOCKWISE_QUANT_CONFIGS)
-    times = {c: 1.0 + i for i, c in enumerate(every)}  # the first of all configs is the fastest
-    best, ms = bench_blockwise_quant.best_within(times, every)
-    assert (best, ms) == (every[0], 1.0)
-    kept = [(g, w, 2) for g, w in BLOCKWISE_QUANT_CONFIGS]
-    kept_best, kept_ms = bench_blockwise_quant.best_within(times, kept)
-    assert kept_best in kept and kept_ms == min(times[c] for c in kept)
-    rows = [{"best_ms": 1.0, "kept_best_ms": 1.1}, {"best_ms": 2.0, "kept_best_ms": 2.0}]
-    cost = bench_blockwise_quant.trim_cost(rows)
-    assert cost["worst_ratio"] == pytest.approx(1.1) and cost["mean_ratio"] == pytest.approx(1.05)
+    assert len(every) == 45 and all((g, w, 2) in every for g, w in BLOCKWISE_QUANT_CONFIGS)
+    row = _row("lhs", 8192, {(2, 2): 1.0, (64, 2): 1.2})
+    assert bench_blockwise_quant.pair_times(row["ms_by_config"])[(64, 2)] == pytest.approx(1.2)  # the outlier stage out
+    assert bench_blockwise_quant.kept_ratio(row, [(64, 2), (128, 8)]) == ((2, 2), (64, 2), pytest.approx(1.2))
+    small = _row("rhs", 256, {(2, 2): 1.0, (64, 2): 2.0})  # launch-bound: counted in "all" only
+    cost = bench_blockwise_quant.trim_cost([row, small], [(64, 2), (128, 8)])
+    assert cost["all"] == {"worst_ratio": pytest.approx(2.0), "mean_ratio": pytest.approx(1.6), "cases": 2}
+    assert cost[f"K>={bench_blockwise_quant.KERNEL_BOUND_K}"]["worst_ratio"] == pytest.approx(1.2)
+
+
+def test_rescore_writes_the_kept_configs_and_their_cost_into_a_saved_run(tmp_path):
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({"rows": [_row("lhs", 8192, {BLOCKWISE_QUANT_CONFIGS[0]: 0.5})], "trim_cost": {}}))
+    assert bench_blockwise_quant.main(["--rescore", str(saved)]) == 0
+    result = json.loads(saved.read_text())
+    assert [tuple(p) for p in result["kept_configs"]] == list(BLOCKWISE_QUANT_CONFIGS)
+    assert result["trim_cost"]["all"]["worst_ratio"] == pytest.approx(1.0)
