@@ -102,6 +102,10 @@ def train(cfg, warmup: int, steps: int) -> dict:
         raise RuntimeError(f"non-finite CE losses {losses}")
     step_s = statistics.median(times)
     row = {"step_s": step_s, "tokens_per_s": t.seq_len / step_s, "ce_losses": losses}
+    if cuda:  # why backend auto did not run flash-attn-4 (None: it did), as the process saw it after the steps
+        from llm_training.layers.attention.fa4 import fa4_unavailable_reason
+
+        row["fa4_unavailable_reason"] = fa4_unavailable_reason(device)
     row["peak_gib"] = None
     if cuda:  # the largest over the context-parallel ranks
         peak = torch.tensor([torch.cuda.max_memory_allocated() / GIB], device=device)
@@ -188,6 +192,7 @@ def main(argv=None) -> int:
             f"{fmt(r.get('peak_gib'), '.1f'):>10}{fmt(r.get('estimate_total_gib'), '.1f'):>9}"
             f"{fmt(r.get('estimate_activation_peak_gib'), '.1f'):>9}  {r['status']}"
             + (f" (estimate: {r['estimate_error']})" if "estimate_error" in r else "")
+            + (f" (no flash-attn-4: {r['fa4_unavailable_reason']})" if r.get("fa4_unavailable_reason") else "")
         )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"device": gpu, "cp": a.cp, "rows": rows}, indent=2))
