@@ -78,6 +78,9 @@ def train(cfg, warmup: int, steps: int) -> dict:
     cp = cfg.parallelism.context_parallel_degree
     dims = ParallelDims(1, -1, cp, 1, cp)
     device, _ = setup_distributed(t.device, dims)
+    # each length compiles anew: the compiled FlexAttention variants of earlier lengths (2 windows x with/without
+    # max logits each) would reach dynamo's recompile limit, after which FlexAttention runs unfused ([S, S] scores)
+    torch._dynamo.reset()
     trainer = Trainer(cfg, dims, device)
     gen = torch.Generator().manual_seed(0)
     cuda = device.type == "cuda"

@@ -24,6 +24,8 @@ which (window, documents, device) cases use FlexAttention block masks and which 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -31,6 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from llm_training.layers.attention.masks import attention_max_logits, repeat_kv, visibility_mask
+
+logger = logging.getLogger(__name__)
 
 AttentionKernel = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
@@ -198,7 +202,27 @@ def _auto_picks_fa4(device: torch.device, head_dims: Optional[tuple[int, int]]) 
     did not say; the GDLA dims are assumed)."""
     from llm_training.layers.attention.fa4 import fa4_head_dims_problem, fa4_usable
 
-    return fa4_usable(device) and (head_dims is None or fa4_head_dims_problem(*head_dims) is None)
+    if not fa4_usable(device):
+        _warn_auto_without_fa4(torch.device(device))
+        return False
+    return head_dims is None or fa4_head_dims_problem(*head_dims) is None
+
+
+@functools.cache
+def _warn_auto_without_fa4(device: torch.device) -> None:
+    """Once per device: a warning when flash-attn-4 has kernels for this GPU but does not import, so backend auto
+    runs FlexAttention / SDPA instead (slower, and FlexAttention's masks cost memory at long context)."""
+    from llm_training.layers.attention.fa4 import fa4_missing_reason
+
+    error = fa4_missing_reason(device)
+    if error is not None:
+        logger.warning(
+            "[kernels] attention = 'auto': flash-attn-4 has kernels for this GPU but does not import (%s), so "
+            "attention runs FlexAttention / SDPA, up to 2.6x slower on the H200 (bench/README.md); install "
+            "flash-attn-4==4.0.0b36 (it and its CuTe DSL libraries are in the repo's CUDA image), or set attention = 'flex' to "
+            "silence this",
+            error,
+        )
 
 
 def _auto_uses_flex(window: Optional[int], has_documents: bool, device: torch.device) -> bool:

@@ -81,6 +81,17 @@ def _unavailable_reason(device: torch.device) -> Optional[str]:
     return None
 
 
+def fa4_missing_reason(device) -> Optional[str]:
+    """Why flash_attn.cute does not import, when `device` is a GPU it has kernels for (SM90 / SM100); else None
+    (also when it imports). The case where backend auto quietly loses its fastest kernel."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    if torch.cuda.get_device_capability(device)[0] not in SUPPORTED_MAJOR_CAPABILITIES:
+        return None
+    return fa4_import_error()
+
+
 def fa4_head_dims_problem(d_qk: int, d_v: int) -> Optional[str]:
     """None when FA4's kernels compile for these head dims (module docstring), else why not."""
     if d_qk == d_v or (d_qk >= 64 and d_v >= 64):

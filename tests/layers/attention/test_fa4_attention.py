@@ -351,3 +351,35 @@ def test_auto_picks_fa4_only_for_head_dims_its_backward_compiles(monkeypatch):
     q, v = torch.zeros(1, 8, 10, 24, dtype=torch.bfloat16), torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"qk head dim 24 with v head dim 16.*attention = 'auto' or 'flex'"):
         fa4._check_inputs(q, v)
+
+
+def test_auto_warns_once_when_flash_attn_4_is_missing_on_a_gpu_it_supports(monkeypatch, caplog):
+    """An SM90 / SM100 GPU without an importable flash_attn.cute: backend auto runs FlexAttention / SDPA, and says
+    so once per device (a machine without the wheel ran 256K tokens on FlexAttention without a word)."""
+    from llm_training.layers.attention import backends
+
+    monkeypatch.setattr(fa4, "fa4_usable", lambda device: False)
+    monkeypatch.setattr(fa4, "fa4_missing_reason", lambda device: "ImportError: No module named 'flash_attn'")
+    backends._warn_auto_without_fa4.cache_clear()
+    cuda = torch.device("cuda")  # only the device type is read: no mask or cu_seqlens is built for this case
+    with caplog.at_level("WARNING", logger=backends.__name__):
+        for _ in range(3):
+            assert not build_attention_metadata("auto", None, [None], 1, 8, cuda, (192, 128)).auto_picks_fa4
+    warnings = [r.getMessage() for r in caplog.records if "flash-attn-4" in r.getMessage()]
+    assert len(warnings) == 1 and "No module named 'flash_attn'" in warnings[0] and "FlexAttention" in warnings[0]
+    backends._warn_auto_without_fa4.cache_clear()
+    monkeypatch.setattr(fa4, "fa4_missing_reason", lambda device: None)  # another GPU, or the import works
+    caplog.clear()
+    build_attention_metadata("auto", None, [None], 1, 8, cuda, (192, 128))
+    assert not caplog.records
+    backends._warn_auto_without_fa4.cache_clear()
+
+
+def test_missing_reason_is_none_off_the_gpus_flash_attn_4_supports(monkeypatch):
+    assert fa4.fa4_missing_reason("cpu") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert fa4.fa4_missing_reason("cuda") is None  # an A100: FA4 has no kernels for it, nothing is missing
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fa4, "fa4_import_error", lambda: "ImportError: x")
+    assert fa4.fa4_missing_reason("cuda") == "ImportError: x"
