@@ -58,6 +58,49 @@ def apply_fsdp(
             module.set_force_sum_reduction_for_comms(True)
 
 
+# the FSDPCommContext attributes (torch 2.11-2.13) of the streams that run FSDP2's gradient reduction
+REDUCE_STREAMS = ("reduce_scatter_stream", "all_reduce_stream")
+
+
+def reduce_on_compute_stream(model: nn.Module) -> None:
+    """Make the FSDP2 root `model` (and every group under it) run its gradient reduction on the compute stream (the
+    stream current at FSDP2's lazy init, the first forward) instead of its own reduce-scatter / all-reduce streams.
+
+    For FSDP2 over one rank without replicas, where the "reduce-scatter" is local copies: the fp32 sharded
+    gradients and the reduce-scatter buffers FSDP2 allocates on its side stream stay cached in that stream's pool
+    after `zero_grad`, where the next forward cannot reuse them (by the code and the sizes: the ~23 GiB a one-H200
+    motif3_proxy step reserves on a side stream with nothing allocated). On the compute stream that memory is reused;
+    the copies no longer overlap the backward. bench/bench_vs_torchtitan.py `--fsdp-reduce compute` measures the
+    trade; with several ranks the side stream overlaps real communication and should stay."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        raise ValueError(
+            f"reduce_on_compute_stream: {type(model).__name__} is not an FSDP2 module (one process applies FSDP2 on "
+            "CUDA only)"
+        )
+    ctx = model._get_fsdp_state()._comm_ctx
+
+    def move_to_compute_stream():
+        missing = [name for name in REDUCE_STREAMS if not hasattr(ctx, name)]
+        if missing:
+            raise RuntimeError(f"torch {torch.__version__}: FSDP2's comm context has no {missing}")
+        compute = ctx.device_handle.current_stream()
+        for name in REDUCE_STREAMS:
+            setattr(ctx, name, compute)
+
+    if hasattr(ctx, "device_handle"):  # FSDP2's lazy init (the first forward) has run
+        move_to_compute_stream()
+        return
+    lazy_init = ctx.lazy_init
+
+    def lazy_init_then_move(device):
+        lazy_init(device)
+        move_to_compute_stream()
+
+    ctx.lazy_init = lazy_init_then_move
+
+
 @dataclass
 class ReplicatedGradSync:
     """All-reduce (SUM, in fp32, one flat buffer) of the gradients of parameters kept out of FSDP2, over
