@@ -11,55 +11,55 @@ from llm_training.distributed.fsdp import REDUCE_STREAMS, apply_fsdp, reduce_on_
 from llm_training.distributed.utils import destroy_process_group
 
 
-def _grads(mesh, on_compute_stream: bool):
-    """Gradients of a two-block FSDP2 model over `mesh` after one forward + backward, and its comm context."""
+@pytest.fixture
+def one_rank_mesh():
+    """The FSDP mesh of one rank, as on one GPU (gloo here)."""
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dims.build_mesh("cpu")
+    yield dims.world_mesh["dp_shard_cp"]
+    destroy_process_group()
+
+
+def _fsdp_model(mesh) -> nn.Module:
+    """Two FSDP2 groups (the first linear, then the root) over `mesh`, seeded."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-    apply_fsdp(model, [model[0], model[2]], mesh, MixedPrecisionPolicy(), [])
-    if on_compute_stream:
-        reduce_on_compute_stream(model)
+    apply_fsdp(model, [model[0]], mesh, MixedPrecisionPolicy(), [])
+    return model
+
+
+def _step(model) -> dict:
     torch.manual_seed(1)
     model(torch.randn(5, 16)).square().sum().backward()
-    grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
-    return grads, model._get_fsdp_state()._comm_ctx
+    return {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
 
 
-def test_reduction_runs_on_the_compute_stream_with_the_same_gradients():
-    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank, as on one GPU
-    dims.build_mesh("cpu")
-    try:
-        mesh = dims.world_mesh["dp_shard_cp"]
-        side, side_ctx = _grads(mesh, on_compute_stream=False)
-        compute, ctx = _grads(mesh, on_compute_stream=True)
-        current = ctx.device_handle.current_stream()
-        assert all(getattr(ctx, name) == current for name in REDUCE_STREAMS)
-        assert side_ctx.reduce_scatter_stream != side_ctx.device_handle.current_stream()  # FSDP2's own side stream
-        assert ctx.all_gather_stream != current  # the parameter gathers keep theirs
-        assert side.keys() == compute.keys() and all(torch.equal(side[n], compute[n]) for n in side)
-    finally:
-        destroy_process_group()
+def _on_compute_stream(ctx) -> bool:
+    return all(getattr(ctx, name) == ctx.device_handle.current_stream() for name in REDUCE_STREAMS)
 
 
-def test_a_model_past_its_first_forward_moves_at_once():
-    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    dims.build_mesh("cpu")
-    try:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+def test_reduction_runs_on_the_compute_stream_with_the_same_gradients(one_rank_mesh):
+    side_model = _fsdp_model(one_rank_mesh)
+    side = _step(side_model)
+    assert not _on_compute_stream(side_model._get_fsdp_state()._comm_ctx)  # FSDP2's own side streams
+    model = _fsdp_model(one_rank_mesh)
+    reduce_on_compute_stream(model)  # before the first forward: applied at FSDP2's lazy init
+    compute = _step(model)
+    ctx = model._get_fsdp_state()._comm_ctx
+    assert _on_compute_stream(ctx) and ctx.all_gather_stream != ctx.device_handle.current_stream()
+    assert side.keys() == compute.keys() and all(torch.equal(side[n], compute[n]) for n in side)
 
-        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-        apply_fsdp(model, [model[0]], dims.world_mesh["dp_shard_cp"], MixedPrecisionPolicy(), [])
-        model(torch.randn(2, 4)).sum().backward()
-        ctx = model._get_fsdp_state()._comm_ctx
-        assert ctx.reduce_scatter_stream != ctx.device_handle.current_stream()
-        reduce_on_compute_stream(model)
-        assert all(getattr(ctx, name) == ctx.device_handle.current_stream() for name in REDUCE_STREAMS)
-        model(torch.randn(2, 4)).sum().backward()  # and the next step runs
-    finally:
-        destroy_process_group()
+
+def test_a_model_past_its_first_forward_moves_at_once(one_rank_mesh):
+    model = _fsdp_model(one_rank_mesh)
+    first = _step(model)
+    reduce_on_compute_stream(model)
+    assert _on_compute_stream(model._get_fsdp_state()._comm_ctx)
+    model.zero_grad(set_to_none=True)
+    assert all(torch.equal(first[n], g) for n, g in _step(model).items())  # the next step runs, same gradients
 
 
 def test_a_model_without_fsdp2_is_refused_by_name():
