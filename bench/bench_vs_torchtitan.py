@@ -516,7 +516,7 @@ def ratios(rows: list[dict]) -> list[dict]:
     def ok(t: dict) -> bool:
         return "error" not in t
 
-    def same_case_in_bf16(r: dict, t: dict) -> bool:
+    def same_case_with_defaults(r: dict, t: dict) -> bool:
         keys = ("system", "group", "optimizer")
         return _plain(t) and all(t.get(k) == r.get(k) for k in keys)
 
@@ -526,7 +526,7 @@ def ratios(rows: list[dict]) -> list[dict]:
             continue
         peers = [next((t for t in rows if t["system"] == "torchtitan" and t["group"] == r["group"] and ok(t)), None)]
         if not _plain(r):
-            peers.append(next((t for t in rows if ok(t) and same_case_in_bf16(r, t)), None))
+            peers.append(next((t for t in rows if ok(t) and same_case_with_defaults(r, t)), None))
         for peer in filter(None, peers):
             out.append({
                 "case": r["case"], "vs": peer["case"],

@@ -49,16 +49,18 @@ BLOCKWISE_QUANT_KERNELS = (
 )
 
 
-def trim_blockwise_quant_autotune(configs=BLOCKWISE_QUANT_CONFIGS) -> None:
-    """Restrict torchao's blockwise activation-quantization autotuners to `configs` ((NUM_GROUPS, num_warps)
-    pairs): the module-level Autotuner objects are shared, so this holds for every later call (eager, and the
+def trim_blockwise_quant_autotune() -> None:
+    """Restrict torchao's blockwise activation-quantization autotuners to BLOCKWISE_QUANT_CONFIGS ((NUM_GROUPS,
+    num_warps) pairs): the module-level Autotuner objects are shared, so this holds for every later call (eager, and the
     kernels torch.compile wraps, which read the configs when they are traced). Imports torchao."""
     import triton
     from torchao.prototype.blockwise_fp8_training import kernels as blockwise
 
     for name in BLOCKWISE_QUANT_KERNELS:
         autotuner = getattr(blockwise, name)
-        autotuner.configs = [triton.Config({"NUM_GROUPS": g}, num_warps=w, num_stages=2) for g, w in configs]
+        autotuner.configs = [
+            triton.Config({"NUM_GROUPS": g}, num_warps=w, num_stages=2) for g, w in BLOCKWISE_QUANT_CONFIGS
+        ]
         autotuner.cache.clear()
 
 

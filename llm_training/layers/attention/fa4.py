@@ -68,6 +68,17 @@ def fa4_unavailable_reason(device) -> Optional[str]:
 
 @functools.cache
 def _unavailable_reason(device: torch.device) -> Optional[str]:
+    reason = _hardware_reason(device)
+    if reason is not None:
+        return reason
+    error = fa4_import_error()
+    if error is not None:
+        return f"flash_attn.cute (pip install flash-attn-4==4.0.0b36) does not import: {error}"
+    return None
+
+
+def _hardware_reason(device: torch.device) -> Optional[str]:
+    """Why `device` is not a GPU flash-attn-4 has kernels for (no CUDA, not SM90 / SM100), or None."""
     if device.type != "cuda":
         return f"flash-attn-4 needs a CUDA device, got {device.type}"
     if not torch.cuda.is_available():
@@ -75,21 +86,13 @@ def _unavailable_reason(device: torch.device) -> Optional[str]:
     major, minor = torch.cuda.get_device_capability(device)
     if major not in SUPPORTED_MAJOR_CAPABILITIES:
         return f"flash-attn-4 has kernels for SM90 / SM100, this GPU is SM{major}{minor}"
-    error = fa4_import_error()
-    if error is not None:
-        return f"flash_attn.cute (pip install flash-attn-4==4.0.0b36) does not import: {error}"
     return None
 
 
 def fa4_missing_reason(device) -> Optional[str]:
     """Why flash_attn.cute does not import, when `device` is a GPU it has kernels for (SM90 / SM100); else None
     (also when it imports). The case where backend auto quietly loses its fastest kernel."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    if torch.cuda.get_device_capability(device)[0] not in SUPPORTED_MAJOR_CAPABILITIES:
-        return None
-    return fa4_import_error()
+    return None if _hardware_reason(torch.device(device)) is not None else fa4_import_error()
 
 
 def fa4_head_dims_problem(d_qk: int, d_v: int) -> Optional[str]:
