@@ -357,6 +357,7 @@ def run_worker(case: Case) -> dict:
         time_steps,
         train_step_on_random_data,
     )
+    from jit_timing import jit_time_breakdown
 
     from llm_training.distributed.compile import compile_stats, reset_compile_stats
     from llm_training.motif import get_flavor
@@ -405,7 +406,8 @@ def run_worker(case: Case) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    timed = time_steps(step, lambda i: i, case.steps, case.warmup, device)
+    with jit_time_breakdown() as jit:  # the JIT builds outside torch.compile's phases (all in the first step)
+        timed = time_steps(step, lambda i: i, case.steps, case.warmup, device)
     check_first_loss(case.name, first_ce(timed["first"]), vocab)
     peak = peak_bf16_flops(device)
     row = {
@@ -413,7 +415,7 @@ def run_worker(case: Case) -> dict:
         "seq_len": seq, "tokens_per_step": case.tokens_per_step, "params": nparams, "build_s": build_s,
         "first_step_s": timed["first_step_s"], "first_ce": first_ce(timed["first"]), "ln_vocab": math.log(vocab),
         "step_times_ms": [t * 1e3 for t in timed["times_s"]], "peak_bf16_tflops": peak / 1e12 if peak else None,
-        **peak_memory_gib(device), **compile_stats(),
+        **peak_memory_gib(device), **compile_stats(), "first_step_jit": jit.summary(),
     }  # fmt: skip
     row.update(throughput(case.tokens_per_step, statistics.median(timed["times_s"]), flops, peak))
     if case.profile_steps and device.type == "cuda":
@@ -545,6 +547,20 @@ def _num(v, spec: str) -> str:
     return "n/a" if v is None else format(v, spec)
 
 
+def first_step_breakdown(row: dict) -> str:
+    """The first step's wall seconds split into torch.compile's forward and backward compiles, the JIT builds
+    outside them (bench/jit_timing.py: Triton, flash-attn-4's CuTe DSL, inductor's first-launch autotuning) and the
+    rest (the step itself, allocator warm-up, Python), e.g. "83.4 s = compile fwd 28.7 + bwd 17.4 + ..."."""
+    ct, jit = row["compile_time_s"], row.get("first_step_jit") or {}
+    parts = [("compile fwd", ct.get("total_forward_s", 0.0)), ("bwd", ct.get("total_backward_s", 0.0))]
+    labels = (("triton", "triton_compile"), ("cute", "cute_compile"), ("autotune", "inductor_autotune"))
+    parts += [(name, jit[f"{label}_s"]) for name, label in labels if f"{label}_s" in jit]
+    rest = row["first_step_s"] - sum(v for _, v in parts)
+    counts = {name: jit.get(f"{label}_calls") for name, label in labels}
+    text = " + ".join(f"{name} {v:.1f}" + (f" ({counts[name]}x)" if counts.get(name) else "") for name, v in parts)
+    return f"{row['first_step_s']:.1f} s = {text} + rest {rest:.1f}"
+
+
 def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
     """The printed table: one line per case (FAIL lines give the reason), then the ours/torchtitan ratios."""
     head = (f"{'case':<36}{'tok/step':>9}{'ms/step':>9}{'tok/s':>9}{'TF/s ours':>10}{'MFU ours':>9}"
@@ -565,6 +581,9 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
         if warm:
             what = f"FAIL {warm['error']}" if warm.get("error") else f"first step {warm['first_step_s']:.1f} s"
             lines.append(f"{r['case']:<36}restarted over its compile cache: {what} (cold {r['first_step_s']:.1f} s)")
+    for r in rows:
+        if "error" not in r and r.get("compile_time_s"):
+            lines.append(f"{r['case']:<36}first step {first_step_breakdown(r)}")
     for r in rows:
         streams = r.get("reserved_by_stream")
         if streams:

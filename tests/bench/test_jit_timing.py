@@ -1,0 +1,61 @@
+"""bench/jit_timing.py: the JIT-build timer patches a compile function for as long as it is open, counts a nested
+call once, and puts the original back; bench_vs_torchtitan's first-step line adds its parts up to the first step."""
+
+import importlib.util
+import sys
+import time
+import types
+from pathlib import Path
+
+_BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, _BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+jit_timing = _load("jit_timing")
+
+
+def test_times_each_outermost_call_and_restores_the_function(monkeypatch):
+    fake = types.ModuleType("fake_dsl")
+    calls = []
+
+    def compile(depth=0):  # a compile that calls itself once, as a nested build would
+        calls.append(depth)
+        time.sleep(0.02)
+        if depth == 0:
+            fake.compile(depth + 1)
+        return "kernel"
+
+    fake.compile = compile
+    monkeypatch.setitem(sys.modules, "fake_dsl", fake)
+    monkeypatch.setattr(jit_timing, "_TARGETS", (("cute_compile", "fake_dsl", "", "compile"),
+                                                 ("absent", "no_such_module_here", "", "compile")))  # fmt: skip
+    with jit_timing.jit_time_breakdown() as jit:
+        assert fake.compile() == "kernel"
+        assert fake.compile is not compile
+        fake.compile(1)
+    assert fake.compile is compile
+    assert calls == [0, 1, 1]
+    summary = jit.summary()
+    assert summary["cute_compile_calls"] == 2  # the nested call is inside the first one's time
+    assert 0.06 <= summary["cute_compile_s"] < 1.0
+    assert "absent_s" not in summary  # its module does not import: left out, not reported as 0
+
+
+def test_first_step_line_adds_up_to_the_first_step():
+    bvt = _load("bench_vs_torchtitan")
+    row = {
+        "first_step_s": 80.0,
+        "compile_time_s": {"total_forward_s": 30.0, "total_backward_s": 15.0},
+        "first_step_jit": {"triton_compile_s": 10.0, "triton_compile_calls": 12, "cute_compile_s": 8.0,
+                           "cute_compile_calls": 4, "inductor_autotune_s": 2.0, "inductor_autotune_calls": 0},
+    }  # fmt: skip
+    line = bvt.first_step_breakdown(row)
+    assert line == ("80.0 s = compile fwd 30.0 + bwd 15.0 + triton 10.0 (12x) + cute 8.0 (4x) + autotune 2.0"
+                    " + rest 15.0")  # fmt: skip
