@@ -22,9 +22,7 @@ and the ratio table then also gives each one's speed-up over the same case in bf
 likewise adds them with that [kernels] mhc_backward ("...+mhc_tensor_ops@accum"; the plain rows run the default,
 auto: the fused mHC backward kernels on the GPU), with the plain row's ratio to it. `--warm-restart` runs each
 compiled case once more over the compile caches of its first run, as a restarted run with [compile] cache_folder
-starts: the table adds its first-step time. `--fsdp-reduce compute` adds our systems with FSDP2's gradient reduction on
-the compute stream (`distributed.fsdp.reduce_on_compute_stream`; "...+reduce_compute@accum"): their reserved memory
-and speed beside the side-stream default. `--size tiny` runs every case at the tiny CPU shape (motif3_debug and its matched DeepSeek-V3)
+starts: the table adds its first-step time. `--size tiny` runs every case at the tiny CPU shape (motif3_debug and its matched DeepSeek-V3)
 for a smoke test.
 
     python bench/bench_vs_torchtitan.py                         # all groups at the proxy shape (GPU)
@@ -93,15 +91,13 @@ class Case:
     profile_steps: int = 0  # optimizer steps profiled after timing (CUDA): kernel time by cost group
     recipe: str = "none"  # our systems: the [quantize] recipe (torchtitan: always "none", bf16)
     mhc_backward: str = "auto"  # our systems: [kernels] mhc_backward (auto = the default config)
-    fsdp_reduce: str = "side"  # our systems: FSDP2's gradient reduction on its side stream or the compute stream
 
     @property
     def name(self) -> str:
         opt = f"+{self.optimizer}" if self.system == "ours_nomtp" else ""
         quant = f"+{self.recipe}" if self.recipe != "none" else ""
         mhc = f"+mhc_{self.mhc_backward}" if self.mhc_backward != "auto" else ""
-        reduce = f"+reduce_{self.fsdp_reduce}" if self.fsdp_reduce != "side" else ""
-        return f"{self.system}{opt}{quant}{mhc}{reduce}@{self.group}"
+        return f"{self.system}{opt}{quant}{mhc}@{self.group}"
 
     @property
     def shape(self) -> Size:
@@ -133,24 +129,21 @@ def build_cases(
     profile_steps: int = 0,
     recipes: tuple[str, ...] = (),
     mhc_backwards: tuple[str, ...] = (),
-    fsdp_reduces: tuple[str, ...] = (),
 ) -> list[Case]:
     """The cases named by `selection`: comma-separated groups ("eager", "compiled", "accum", "all") and/or case
     names as printed (e.g. "ours@compiled", "ours_nomtp+adamw@accum", "torchtitan@eager"). Order: group, then
     ours, ours_nomtp (per optimizer), each again under every one of `recipes` (low-precision [quantize] recipes)
-    and then in bf16 with every other [kernels] mhc_backward of `mhc_backwards` and every other FSDP2 reduction stream
-    of `fsdp_reduces` (`distributed.fsdp.reduce_on_compute_stream`), then torchtitan. The accum group runs
+    and then in bf16 with every other [kernels] mhc_backward of `mhc_backwards`, then torchtitan. The accum group runs
     half the timed steps (each is 4x longer)."""
     every = []
     for group in GROUPS:
         n_steps = max(1, steps // 2) if group == "accum" else steps
-        variants = [(r, "auto", "side") for r in ("none", *(r for r in recipes if r != "none"))]
-        variants += [("none", m, "side") for m in mhc_backwards if m != "auto"]
-        variants += [("none", "auto", f) for f in fsdp_reduces if f != "side"]
-        for recipe, mhc, reduce in variants:
-            every.append(Case("ours", group, size, "muon", n_steps, warmup, profile_steps, recipe, mhc, reduce))
+        variants = [(r, "auto") for r in ("none", *(r for r in recipes if r != "none"))]
+        variants += [("none", m) for m in mhc_backwards if m != "auto"]
+        for recipe, mhc in variants:
+            every.append(Case("ours", group, size, "muon", n_steps, warmup, profile_steps, recipe, mhc))
             every += [
-                Case("ours_nomtp", group, size, opt, n_steps, warmup, profile_steps, recipe, mhc, reduce)
+                Case("ours_nomtp", group, size, opt, n_steps, warmup, profile_steps, recipe, mhc)
                 for opt in nomtp_optimizers
             ]
         every.append(Case("torchtitan", group, size, "adamw", n_steps, warmup, profile_steps))
@@ -391,10 +384,6 @@ def run_worker(case: Case) -> dict:
         trainer = build_trainer(flavor, seq, case.batch, "none", case.compiled, tempfile.mkdtemp(prefix="bench_vs_tt_"),
                                 case.steps + case.warmup, case.accum, case.optimizer, device.type,
                                 quantize=case.recipe, mhc_backward=case.mhc_backward)  # fmt: skip
-        if case.fsdp_reduce == "compute":
-            from llm_training.distributed.fsdp import reduce_on_compute_stream
-
-            reduce_on_compute_stream(trainer.model)
         nparams = sum(p.numel() for p in trainer.model.parameters())
         flops = our_flops_per_token(flavor, seq)
 
@@ -505,14 +494,14 @@ def _run_worker_process(case: Case, timeout_s: float, result: Path, env: dict) -
 
 
 def _plain(row: dict) -> bool:
-    """A row of ours in bf16 with the default mHC backward and FSDP2 reduction stream (the variants' reference)."""
-    defaults = {"recipe": "none", "mhc_backward": "auto", "fsdp_reduce": "side"}
+    """A row of ours in bf16 with the default mHC backward (the variants' reference)."""
+    defaults = {"recipe": "none", "mhc_backward": "auto"}
     return all(row.get(k, v) == v for k, v in defaults.items())
 
 
 def ratios(rows: list[dict]) -> list[dict]:
     """Per group: each of our rows against the torchtitan row of the same group (same tokens per step), and each
-    low-precision, other-mHC-backward or compute-stream-reduction row against the same case with the defaults (`_plain`):
+    low-precision or other-mHC-backward row against the same case with the defaults (`_plain`):
     tokens/s ratio and MFU ratio, each system counted in its own real-work convention ("megatron") and in torchtitan's."""
 
     def ok(t: dict) -> bool:
@@ -609,8 +598,6 @@ def main(argv=None) -> int:
                    "our systems again under each, with their speed-up over bf16")  # fmt: skip
     p.add_argument("--mhc-backward", default="", help="comma-separated [kernels] mhc_backward values (tensor_ops, fused): "
                    "our systems again with each, against the default auto (e.g. ours_nomtp+adamw+mhc_tensor_ops@accum)")  # fmt: skip
-    p.add_argument("--fsdp-reduce", default="", help="compute: our systems again with FSDP2's gradient reduction on "
-                   "the compute stream (its reserved memory vs its overlap), e.g. ours+reduce_compute@accum")  # fmt: skip
     p.add_argument("--nomtp-optimizers", default="adamw", help="optimizers of the ours_nomtp rows: adamw, muon or both")
     p.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps per case (CUDA): "
                    "kernel time by cost group (bench/kernel_groups.py), printed and in the JSON")  # fmt: skip
@@ -633,12 +620,7 @@ def main(argv=None) -> int:
     optimizers = [o.strip() for o in a.nomtp_optimizers.replace("both", "adamw,muon").split(",") if o.strip()]
     recipes = tuple(r.strip() for r in a.quantize.split(",") if r.strip())
     mhc_backwards = tuple(m.strip() for m in a.mhc_backward.split(",") if m.strip())
-    fsdp_reduces = tuple(f.strip() for f in a.fsdp_reduce.split(",") if f.strip())
-    if set(fsdp_reduces) - {"side", "compute"}:
-        p.error(f"--fsdp-reduce: side or compute, got {a.fsdp_reduce!r}")
-    cases = build_cases(
-        a.cases, a.size, a.steps, a.warmup, optimizers, a.profile_steps, recipes, mhc_backwards, fsdp_reduces
-    )
+    cases = build_cases(a.cases, a.size, a.steps, a.warmup, optimizers, a.profile_steps, recipes, mhc_backwards)
     log_dir = Path(a.log_dir) if a.log_dir else Path(tempfile.mkdtemp(prefix="bench_vs_torchtitan_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = []

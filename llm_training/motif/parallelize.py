@@ -51,7 +51,7 @@ from llm_training.distributed.context_parallel import (
     plan_context_parallel,
 )
 from llm_training.distributed.expert_parallel import apply_expert_parallel, expert_grad_mesh, sum_expert_grads
-from llm_training.distributed.fsdp import ReplicatedGradSync, apply_fsdp
+from llm_training.distributed.fsdp import ReplicatedGradSync, apply_fsdp, reduce_on_compute_stream
 from llm_training.layers.moe import MoE
 from llm_training.motif.state_dict_adapter import is_fp32_key
 
@@ -138,6 +138,11 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
     single_shard = mesh["dp_shard_cp"].size() == 1
     if single_shard:  # one all-gather per optimizer step (ParallelizedModel.defer_grad_sync)
         model.set_reshard_after_forward(False)
+    if fsdp_mesh.size() == 1:
+        # one rank, no replicas: the gradient "reduction" is local copies with nothing to overlap, and on FSDP2's
+        # side stream its fp32 gradients stay cached where the next forward cannot reuse them (one H200,
+        # motif3_proxy: 131.8 -> 115.2 GiB reserved at 0.999x the step time, bench_vs_torchtitan, session 14)
+        reduce_on_compute_stream(model)
     replicated_sync = ReplicatedGradSync(model, [n for n in replicated if n not in expert_names], dist.group.WORLD)
     expert_fp32 = [n for n in replicated if n in expert_names]
 

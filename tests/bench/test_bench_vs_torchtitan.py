@@ -72,20 +72,6 @@ def test_another_mhc_backward_adds_our_systems_compared_with_the_default():
     assert by_pair == {("ours_nomtp+adamw+mhc_tensor_ops@accum", "ours_nomtp@accum"): pytest.approx(20 / 22)}
 
 
-def test_compute_stream_reduction_adds_our_systems_compared_with_the_side_stream():
-    cases = bvt.build_cases("accum", "proxy", 6, 2, ["adamw"], fsdp_reduces=("compute",))
-    assert [(c.name, c.fsdp_reduce) for c in cases if c.fsdp_reduce == "compute"] == [
-        ("ours+reduce_compute@accum", "compute"), ("ours_nomtp+adamw+reduce_compute@accum", "compute")
-    ]  # fmt: skip
-    side = _row("ours", "accum", 24000.0, 240.0, 300.0, optimizer="muon")
-    compute = _row("ours", "accum", 23000.0, 230.0, 287.5, optimizer="muon", fsdp_reduce="compute")
-    compute["case"] = "ours+reduce_compute@accum"
-    by_pair = {(q["case"], q["vs"]): q["tokens_per_s"] for q in bvt.ratios([side, compute])}
-    assert by_pair == {("ours+reduce_compute@accum", "ours@accum"): pytest.approx(23 / 24)}
-    with pytest.raises(SystemExit):
-        bvt.main(["--fsdp-reduce", "nccl", "--cases", "accum"])
-
-
 def _row(system, group, tok_s, tf_ours, tf_tt, **kw):
     return {"case": f"{system}@{group}", "system": system, "group": group, "tokens_per_step": 16384,
             "step_ms_median": 1e3 * 16384 / tok_s, "tokens_per_s": tok_s, "tflops_megatron": tf_ours,

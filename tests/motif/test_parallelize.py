@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from llm_training.distributed import ParallelDims
+from llm_training.distributed.fsdp import REDUCE_STREAMS
 from llm_training.motif import get_flavor
 from llm_training.motif.model import Motif3Model
 from llm_training.motif.mtp import mtp_inputs
@@ -82,6 +83,8 @@ def _worker(rank, world, port, path, dp_replicate=1):
         loss = _loss_and_grads(model, mine, normalisers, 1.0 / world)
         dist.all_reduce(loss)
         parallel.sync_replicated_grads()
+        ctx = model._get_fsdp_state()._comm_ctx  # two ranks: the reduction overlaps real communication on its stream
+        assert all(getattr(ctx, name) != ctx.device_handle.current_stream() for name in REDUCE_STREAMS)
         grads = {
             n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()
         }

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from llm_training.distributed import ParallelDims
+from llm_training.distributed.fsdp import REDUCE_STREAMS
 from llm_training.trainer import NonFiniteLossError, Trainer, train
 from llm_training.trainer.checkpoint import complete_steps
 from llm_training.distributed.utils import destroy_process_group
@@ -212,6 +213,9 @@ def test_cuda_bf16_fsdp_training_resumes_exactly(make_config):
         _crash_at_step(crashed, 3)
         with pytest.raises(_Crash):
             crashed.fit()
+        # FSDP2 over one rank reduces on the compute stream (parallelize_motif: nothing to overlap, memory to gain)
+        ctx = crashed.model._get_fsdp_state()._comm_ctx
+        assert all(getattr(ctx, name) == ctx.device_handle.current_stream() for name in REDUCE_STREAMS)
         resumed = train(make_config("--job.run_name=gpu_resumed", *opts), dims, device)
     finally:
         if created:
