@@ -8,16 +8,18 @@ which breaks SDPA and varlen on torch 2.11 / 2.13: docs/dependencies.md).
 - causal: `causal=True`; sliding window W: `window_size=(W, 0)`, i.e. key j visible iff i - W <= j <= i
   (W + 1 keys, our convention); FA4 skips key blocks that are fully outside the window, so a W = 128 layer
   costs O(S * W), not O(S^2).
-- packed documents: `flash_attn_varlen_func` over the B*S flattened tokens with the cumulative sequence
+- packed documents: FA4's varlen kernels over the B*S flattened tokens with the cumulative sequence
   lengths of the documents (`document_cu_seqlens`, built once per forward into the AttentionMetadata); a
   row boundary is a document boundary too. The causal / window mask is then relative to each document.
 - GQA with qk head dim != v head dim (GDLA: 192 / 128): FA4 4.0.0b36's GQA backward rejects that case, so
   the KV heads are laid out for it (`GQA_LAYOUTS`): "expand_kv" repeats K and V to the query heads (plain
   MHA), "pad_v" keeps the KV heads and zero-pads V to the qk head dim (output sliced back). Measured on the
   H200 at the GDLA shape, B2 S4096, fwd+bwd: expand_kv 6.90 ms vs pad_v 7.88 ms (full causal) and 2.50 ms vs
-  2.97 ms (window 128); bench/bench_attention.py re-measures both. Default: expand_kv (faster; its cost is
-  memory: the expanded K/V, n_h * (d_qk + d_v) per token instead of n_kv * 2 d_qk, live from the kernel's
-  forward to its backward). Equal head dims use FA4's native GQA (pack_gqa) with no copy.
+  2.97 ms (window 128); bench/bench_attention.py re-measures both. Default: expand_kv. The repeated K/V live
+  only inside each kernel call: `_FlashAttn` saves the KV-head K/V for the backward and repeats them again
+  there (n_kv * (d_qk + d_v) per token saved instead of n_h * (d_qk + d_v): 5x less at GDLA's 80 / 16 heads,
+  2.7 GB per 64K-token step of motif3_proxy, 10.7 GB per layer at 256K), summing dK/dV back over the copies.
+  Equal head dims use FA4's native GQA (pack_gqa) with no copy.
 - log-sum-exp: `fa4_attention_lse` returns it too (natural log, fp32 [B, Hq, S]), differentiable (FA4's
   backward takes dlse), which is what ring attention merges.
 - max_logits (QK-clip): FA4 returns no row max. The LSE only bounds it (max <= lse <= max + log(#visible
@@ -136,44 +138,74 @@ def _check_inputs(q_BSHD: torch.Tensor, v_BSKE: torch.Tensor) -> None:
 
 
 def _layout_kv(k_BSKD, v_BSKE, n_heads: int, gqa_layout: str):
-    """K/V in the layout FA4 can differentiate (module docstring), and the v head dim to slice back to."""
+    """K/V in the layout FA4 can differentiate (module docstring): (k, v, the v head dim to slice back to, how many
+    times the kernel call repeats each KV head: n_heads // n_kv for expand_kv, else 1)."""
     n_kv, d_qk, d_v = k_BSKD.shape[2], k_BSKD.shape[3], v_BSKE.shape[3]
     if n_kv == n_heads or d_qk == d_v:
-        return k_BSKD, v_BSKE, d_v
+        return k_BSKD, v_BSKE, d_v, 1
     if gqa_layout == "expand_kv":
-        n_rep = n_heads // n_kv
-        return k_BSKD.repeat_interleave(n_rep, dim=2), v_BSKE.repeat_interleave(n_rep, dim=2), d_v
+        return k_BSKD, v_BSKE, d_v, n_heads // n_kv
     if gqa_layout == "pad_v":
-        return k_BSKD, torch.nn.functional.pad(v_BSKE, (0, d_qk - d_v)), d_v
+        return k_BSKD, torch.nn.functional.pad(v_BSKE, (0, d_qk - d_v)), d_v, 1
     raise ValueError(f"unknown FA4 GQA layout {gqa_layout!r}; one of {GQA_LAYOUTS}")
 
 
-@torch.compiler.disable
-def _flash_attn(q, k, v, *, scale, causal, window_size, cu_seqlens=None, max_seqlen=None):
-    """flash-attn-4's forward (with its autograd backward), (out, lse), run eagerly even inside a compiled block:
-    dynamo traced into flash_attn.cute's Python (cython calls, DLPack wrappers, its logger) and broke the graph
-    there instead; on the H200 the compiled motif3_proxy step then had 2386 compiled frames, 25 graphs and 49 graph
-    breaks (FlexAttention: 5, 3, 0) and its forward compile took 46-54 s instead of 24 s (bench_vs_torchtitan,
-    session 9). Disabled, the block's graph breaks once, before this call. cu_seqlens given: the varlen kernel over
-    flattened [T, H, D] tokens. The inputs are checked here (device, dtype: a clear error before the import)."""
-    _check_inputs(q, v)
-    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+def _repeat_kv_heads(x_THD: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[..., n_kv, D] -> [..., n_kv * n_rep, D], query head h reading KV head h // n_rep."""
+    return x_THD if n_rep == 1 else x_THD.repeat_interleave(n_rep, dim=-2)
 
-    if cu_seqlens is None:
-        return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, window_size=window_size, return_lse=True)
-    return flash_attn_varlen_func(
-        q,
-        k,
-        v,
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_k=cu_seqlens,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen,
-        softmax_scale=scale,
-        causal=causal,
-        window_size=window_size,
-        return_lse=True,
-    )
+
+def _sum_kv_copies(dx_THD: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """The gradient of `_repeat_kv_heads`: [..., n_kv * n_rep, D] summed back to [..., n_kv, D]."""
+    return dx_THD if n_rep == 1 else dx_THD.unflatten(-2, (-1, n_rep)).sum(-2)
+
+
+class _FlashAttn(torch.autograd.Function):
+    """flash-attn-4's forward and backward kernels (`flash_attn.cute.interface`, the functions its own autograd
+    Functions call) around K/V whose heads are repeated `n_rep` times for the kernel only: the backward saves the
+    KV-head K/V and repeats them again (module docstring). Returns (out, lse); lse is differentiable (dlse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, window_size, cu_seqlens, max_seqlen, n_rep):
+        from flash_attn.cute.interface import _flash_attn_fwd
+
+        out, lse = _flash_attn_fwd(
+            q, _repeat_kv_heads(k, n_rep), _repeat_kv_heads(v, n_rep), cu_seqlens_q=cu_seqlens,
+            cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale,
+            causal=causal, softcap=0.0, window_size_left=window_size[0], window_size_right=window_size[1],
+            return_lse=True,
+        )[:2]  # fmt: skip
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.args = (scale, causal, window_size, max_seqlen, n_rep)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from flash_attn.cute.interface import _flash_attn_bwd
+
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        scale, causal, window_size, max_seqlen, n_rep = ctx.args
+        dq, dk, dv = _flash_attn_bwd(
+            q, _repeat_kv_heads(k, n_rep), _repeat_kv_heads(v, n_rep), out,
+            torch.zeros_like(out) if dout is None else dout, lse, scale, causal, 0.0,
+            window_size_left=window_size[0], window_size_right=window_size[1], cu_seqlens_q=cu_seqlens,
+            cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, dlse=dlse,
+        )[:3]  # fmt: skip
+        return dq, _sum_kv_copies(dk, n_rep), _sum_kv_copies(dv, n_rep), None, None, None, None, None, None
+
+
+@torch.compiler.disable
+def _flash_attn(q, k, v, *, scale, causal, window_size, cu_seqlens=None, max_seqlen=None, n_rep=1):
+    """flash-attn-4's forward (with its backward: `_FlashAttn`), (out, lse), run eagerly even inside a compiled
+    block: dynamo traced into flash_attn.cute's Python (cython calls, DLPack wrappers, its logger) and broke the
+    graph there instead; on the H200 the compiled motif3_proxy step then had 2386 compiled frames, 25 graphs and 49
+    graph breaks (FlexAttention: 5, 3, 0) and its forward compile took 46-54 s instead of 24 s
+    (bench_vs_torchtitan, session 9). Disabled, the block's graph breaks once, before this call. cu_seqlens given:
+    the varlen kernel over flattened [T, H, D] tokens. The inputs are checked here (device, dtype: a clear error
+    before the import)."""
+    _check_inputs(q, v)
+    return _FlashAttn.apply(q, k, v, scale, causal, window_size, cu_seqlens, max_seqlen, n_rep)
 
 
 def fa4_attention_lse(
@@ -189,11 +221,11 @@ def fa4_attention_lse(
     """(out [B, S, Hq, Dv] in q's dtype, lse fp32 [B, Hq, S], natural log), both differentiable; the
     visibility of attention_backends (causal, window, metadata's documents via its cu_seqlens)."""
     B, S, Hq, _ = q_BSHD.shape
-    k, v, d_v = _layout_kv(k_BSKD, v_BSKE, Hq, gqa_layout)
+    k, v, d_v, n_rep = _layout_kv(k_BSKD, v_BSKE, Hq, gqa_layout)
     window_size = (None, None) if window is None else (window, 0)
     causal = window is None
     if metadata.document_ids is None:
-        out, lse = _flash_attn(q_BSHD, k, v, scale=scale, causal=causal, window_size=window_size)
+        out, lse = _flash_attn(q_BSHD, k, v, scale=scale, causal=causal, window_size=window_size, n_rep=n_rep)
     else:
         if metadata.cu_seqlens is None:
             raise RuntimeError(
@@ -209,6 +241,7 @@ def fa4_attention_lse(
             window_size=window_size,
             cu_seqlens=metadata.cu_seqlens,
             max_seqlen=metadata.max_seqlen,
+            n_rep=n_rep,
         )
         out = out.view(B, S, Hq, -1)
         lse = lse.view(Hq, B, S).transpose(0, 1)  # varlen lse is [Hq, total tokens]

@@ -98,10 +98,7 @@ def _emulated_attention(q, k, v, scale, causal, window_size):
     convention (window_size = (left, right): key j visible iff i - left <= j <= i + right; causal: right = 0);
     returns (out [S, H, E] in q's dtype, lse [H, S])."""
     S, H, _ = q.shape
-    Hk, D, E = k.shape[1], k.shape[2], v.shape[2]
-    if Hk != H and D != E and torch.is_grad_enabled():
-        raise RuntimeError("emulated FA4 b36: GQA backward with head_dim != head_dim_v is not supported")
-    rep = H // Hk
+    rep = H // k.shape[1]
     qf, kf, vf = q.float(), k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
     i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
     left, right = window_size
@@ -118,27 +115,54 @@ def _emulated_attention(q, k, v, scale, causal, window_size):
     return out.to(q.dtype), lse
 
 
-def _fake_flash_attn_cute():
-    module = types.ModuleType("flash_attn.cute")
-
-    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), return_lse=False):
-        parts = [_emulated_attention(q[b], k[b], v[b], softmax_scale, causal, window_size) for b in range(q.shape[0])]
+def _emulated_kernel(q, k, v, scale, causal, window_size, cu_seqlens, max_seqlen):
+    """FA4's (out, lse) layouts: [B, S, H, E] and [B, H, S], or with cu_seqlens (varlen) [T, H, E] and [H, T]."""
+    if cu_seqlens is None:
+        parts = [_emulated_attention(q[b], k[b], v[b], scale, causal, window_size) for b in range(q.shape[0])]
         return torch.stack([o for o, _ in parts]), torch.stack([s for _, s in parts])
+    assert cu_seqlens.dtype == torch.int32
+    bounds = cu_seqlens.tolist()
+    assert max_seqlen >= max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    parts = [
+        _emulated_attention(q[a:b], k[a:b], v[a:b], scale, causal, window_size) for a, b in zip(bounds[:-1], bounds[1:])
+    ]
+    return torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts], dim=1)
 
-    def flash_attn_varlen_func(
+
+def _fake_flash_attn_cute():
+    """flash_attn.cute whose interface's forward and backward kernels (what fa4._FlashAttn calls) are emulated in
+    fp32, the backward by autograd through the emulation; b36's limits kept: the backward rejects GQA with
+    head_dim != head_dim_v."""
+    module = types.ModuleType("flash_attn.cute")
+    interface = types.ModuleType("flash_attn.cute.interface")
+
+    def _flash_attn_fwd(
         q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None,
-        causal=False, window_size=(None, None), return_lse=False,
+        causal=False, softcap=None, window_size_left=None, window_size_right=None, return_lse=False,
     ):  # fmt: skip
-        assert torch.equal(cu_seqlens_q, cu_seqlens_k) and cu_seqlens_q.dtype == torch.int32
-        bounds = cu_seqlens_q.tolist()
-        assert max_seqlen_q >= max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        parts = [
-            _emulated_attention(q[a:b], k[a:b], v[a:b], softmax_scale, causal, window_size)
-            for a, b in zip(bounds[:-1], bounds[1:])
-        ]
-        return torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts], dim=1)
+        assert cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k and return_lse and softcap == 0.0
+        with torch.no_grad():
+            out, lse = _emulated_kernel(
+                q, k, v, softmax_scale, causal, (window_size_left, window_size_right), cu_seqlens_q, max_seqlen_q
+            )
+        return out, lse, None, None, None
 
-    module.flash_attn_func, module.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
+    def _flash_attn_bwd(
+        q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left=None, window_size_right=None,
+        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dlse=None,
+    ):  # fmt: skip
+        if k.shape[-2] != q.shape[-2] and k.shape[-1] != v.shape[-1]:
+            raise RuntimeError("emulated FA4 b36: GQA backward with head_dim != head_dim_v is not supported")
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            o, l = _emulated_kernel(
+                *leaves, softmax_scale, causal, (window_size_left, window_size_right), cu_seqlens_q, max_seqlen_q
+            )
+            outputs, grads = ([o, l], [dout, dlse]) if dlse is not None else ([o], [dout])
+            return torch.autograd.grad(outputs, leaves, grads)
+
+    interface._flash_attn_fwd, interface._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
+    module.interface = interface
     return module
 
 
@@ -148,6 +172,7 @@ def emulated_fa4(monkeypatch):
     package.cute = _fake_flash_attn_cute()
     monkeypatch.setitem(sys.modules, "flash_attn", package)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", package.cute)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", package.cute.interface)
     monkeypatch.setattr(fa4, "_check_inputs", lambda q, v: None)
 
 
@@ -186,17 +211,16 @@ def test_fa4_glue_matches_reference_on_emulation(emulated_fa4, layout, window, d
 def test_fa4_runs_eagerly_inside_compiled_code(emulated_fa4, docs):
     """Under torch.compile, flash_attn.cute is called eagerly (never traced by dynamo: its Python broke the graph
     49 times per step on the H200) and the compiled attention, its max logits and its gradients equal eager's."""
-    import flash_attn.cute as cute
+    from flash_attn.cute import interface
 
-    compiling = []  # torch.compiler.is_compiling() at each call of the (emulated) kernel
-    for name in ("flash_attn_func", "flash_attn_varlen_func"):
-        inner = getattr(cute, name)
+    compiling = []  # torch.compiler.is_compiling() at each call of the (emulated) forward kernel
+    inner = interface._flash_attn_fwd
 
-        def spy(*args, _inner=inner, **kwargs):
-            compiling.append(torch.compiler.is_compiling())
-            return _inner(*args, **kwargs)
+    def spy(*args, **kwargs):
+        compiling.append(torch.compiler.is_compiling())
+        return inner(*args, **kwargs)
 
-        setattr(cute, name, spy)
+    interface._flash_attn_fwd = spy
     torch.manual_seed(2)
     B, S, Hq, Hkv = 2, 9, 4, 2
     leaves = [
@@ -234,6 +258,32 @@ def test_fa4_layouts_give_the_emulated_kernel_a_differentiable_case(emulated_fa4
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="unknown FA4 GQA layout"):
         fa4.fa4_attention_lse(q, k, v, scale=0.3, window=2, metadata=meta, gqa_layout="nope")
+
+
+@pytest.mark.parametrize("docs", [False, True])
+def test_expand_kv_saves_the_kv_heads_only_and_differentiates_out_and_lse(emulated_fa4, docs):
+    """expand_kv repeats K/V to the query heads for the kernel call only: what autograd keeps for the backward is
+    the KV-head K/V (never a [.., Hq, D] copy), and the gradients through out and lse match the reference's."""
+    torch.manual_seed(3)
+    B, S, Hq, Hkv = 2, 10, 6, 2
+    leaves = [
+        torch.randn(B, S, h, d, dtype=torch.float64, requires_grad=True) for h, d in ((Hq, 12), (Hkv, 12), (Hkv, 8))
+    ]
+    doc_ids = _doc_ids(B, S, [6]) if docs else None
+    meta = build_attention_metadata("fa4", doc_ids, [None], B, S, "cpu")
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        out, lse = fa4.fa4_attention_lse(*leaves, scale=0.3, window=None, metadata=meta, gqa_layout="expand_kv")
+    heads_and_dim = [shape[-2:] for shape in saved]
+    assert heads_and_dim.count((Hkv, 12)) == 1 and heads_and_dim.count((Hkv, 8)) == 1  # k and v as given
+    assert heads_and_dim.count((Hq, 12)) == 1 and heads_and_dim.count((Hq, 8)) == 1  # q and out: no repeated k, v
+    q, k, v = leaves
+    got = torch.autograd.grad(out.square().sum() + lse.sin().sum(), leaves)
+    ref_out, _ = reference_attention(q, k, v, scale=0.3, window=None, metadata=meta, record_max_logits=False)
+    ref_lse = _reference_lse(q, k, 0.3, None, doc_ids)
+    want = torch.autograd.grad(ref_out.square().sum() + ref_lse.sin().sum(), leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_motif3_model_on_the_fa4_backend_matches_the_reference_backend(emulated_fa4):
