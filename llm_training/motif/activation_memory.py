@@ -27,11 +27,10 @@ I_s = I_e x num_shared_experts, I = intermediate_size):
                              update) is not kept: the FFN side rebuilds it from the block input (layers/mhc/hyper_connections.py)
   attention (GDLA)           norm output H b; lambda_proj's fp32 input H f and lambda n_sig f; wq_a output and
                              c_q 2 q_lora b; wkv_a output (kv_lora + d_rope) b and kv_norm output kv_lora b; the
-                             kernel's q n_h*d_qk, k n_k*d_qk, v n_k*d_v and output n_h*d_v b and its
+                             kernel's q n_h*d_qk, k n_kv*d_qk, v n_kv*d_v and output n_h*d_v b and its
                              log-sum-exp n_h f (what a fused kernel keeps; the CPU math fallback keeps the
-                             S x S probabilities instead), n_k = n_h when d_qk != d_v (flash-attn-4, the GPU
-                             default, gets K/V expanded to the query heads: layers/attention/fa4.py; cuDNN and
-                             FlexAttention keep n_kv heads, so there the estimate is high by that), else n_kv;
+                             S x S probabilities instead; flash-attn-4 repeats K/V to the query heads for its
+                             kernel calls only, a transient of one layer: layers/attention/fa4.py);
                              gate logits n_sig*d_v b;
                              wo input n_sig*d_v b
   dense MLP (width I)        norm output H b; gate, up 2I b; activation output I b; PolyNorm rstd 3 f
@@ -92,13 +91,6 @@ class BlockTerms(NamedTuple):
     routed: PerToken = PerToken()
 
 
-def kernel_kv_heads(a: Motif3ModelArgs) -> int:
-    """KV heads the attention kernel keeps for its backward: flash-attn-4's expand_kv layout (the GPU default)
-    when the qk and v head dims differ and heads are grouped, else the model's KV heads."""
-    expanded = a.head_dim != a.v_head_dim and a.num_attention_heads != a.num_key_value_heads
-    return a.num_attention_heads if expanded else a.num_key_value_heads
-
-
 def attention_terms(a: Motif3ModelArgs) -> tuple[PerToken, PerToken]:
     """(saved without AC, kept by selective AC) of one GDLA layer, its norm's input excluded."""
     d_qk, gate = a.head_dim, a.num_signal_heads * a.v_head_dim
@@ -109,7 +101,7 @@ def attention_terms(a: Motif3ModelArgs) -> tuple[PerToken, PerToken]:
         + (a.kv_lora_rank + a.qk_rope_head_dim)
         + a.kv_lora_rank
         + a.num_attention_heads * d_qk
-        + kernel_kv_heads(a) * (d_qk + a.v_head_dim)
+        + a.num_key_value_heads * (d_qk + a.v_head_dim)
         + a.num_attention_heads * a.v_head_dim
         + gate_logits
         + gate,

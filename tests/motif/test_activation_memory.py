@@ -27,9 +27,7 @@ class _FusedKernelSaves(torch.autograd.Function):
 
 
 def _fused_kernel(q, k, v, *, scale, window, metadata, record_max_logits):
-    """As the fa4 backend calls flash-attn-4 for qk != v head dims: K/V expanded to the query heads first."""
-    n_rep = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
+    """As the fa4 backend saves for its backward: the KV-head K/V (it repeats them for its kernel calls only)."""
     return _FusedKernelSaves.apply(q, k, v, scale, window, metadata), None
 
 
