@@ -3,7 +3,7 @@ just-in-time kernel build and first-call autotuning that runs in this process wh
 
     with jit_time_breakdown() as jit:
         first_step()
-    jit.summary()  # {"triton_compile_s": ..., "triton_kernels": n, "cute_compile_s": ..., ...}
+    jit.summary()  # {"triton_compile_s": ..., "triton_compile_calls": n, ..., "slowest": [the 12 slowest calls]}
 
 What it times (wall seconds spent inside each call, summed; nested calls are counted once, at the outermost):
   triton_compile   `triton.compile` in this process: our own Triton kernels (mHC, loss, max logits, PolyNorm,
@@ -49,10 +49,12 @@ class JitTimes:
     seconds: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     patched: list[str] = field(default_factory=list)
+    each: list[tuple[float, str, str]] = field(default_factory=list)  # (seconds, label, kernel name) per call
 
-    def add(self, label: str, seconds: float) -> None:
+    def add(self, label: str, seconds: float, name: str = "") -> None:
         self.seconds[label] = self.seconds.get(label, 0.0) + seconds
         self.calls[label] = self.calls.get(label, 0) + 1
+        self.each.append((seconds, label, name))
 
     def summary(self) -> dict:
         """{label_s: seconds, label_calls: n} for every label that was patched (0 when nothing ran)."""
@@ -64,7 +66,27 @@ class JitTimes:
         for counted in ("triton_builds", "triton_cache_hits"):
             if counted in self.calls:
                 out[counted] = self.calls[counted]
+        out["slowest"] = [
+            {"s": round(sec, 2), "what": label, "kernel": name[:160]}
+            for sec, label, name in sorted(self.each)[::-1][:12]
+        ]
         return out
+
+
+def _kernel_name(args: tuple) -> str:
+    """A readable name of what a compile call builds: a Triton source's function name, an autotuner's kernel name,
+    else the first argument's qualified name (a CuTe DSL kernel object or function)."""
+    if not args:
+        return ""
+    first = args[0]
+    for attr in ("fn", "fn_name", "kernel_name", "name"):
+        value = getattr(first, attr, None)
+        if isinstance(value, str):
+            return value
+        if value is not None and hasattr(value, "__name__"):
+            return value.__name__
+    target = getattr(first, "__func__", first)
+    return getattr(target, "__qualname__", None) or type(first).__qualname__
 
 
 def _timed(fn: Callable, label: str, times: JitTimes, depth: threading.local) -> Callable:
@@ -77,7 +99,7 @@ def _timed(fn: Callable, label: str, times: JitTimes, depth: threading.local) ->
         finally:
             setattr(depth, label, getattr(depth, label) - 1)
             if outer:
-                times.add(label, time.perf_counter() - start)
+                times.add(label, time.perf_counter() - start, _kernel_name(args))
 
     wrapper.__wrapped__ = fn
     return wrapper

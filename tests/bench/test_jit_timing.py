@@ -25,27 +25,37 @@ def test_times_each_outermost_call_and_restores_the_function(monkeypatch):
     fake = types.ModuleType("fake_dsl")
     calls = []
 
-    def compile(depth=0):  # a compile that calls itself once, as a nested build would
-        calls.append(depth)
+    def compile(kernel, depth=0):  # a compile that calls itself once, as a nested build would
+        calls.append((kernel.__name__, depth))
         time.sleep(0.02)
         if depth == 0:
-            fake.compile(depth + 1)
+            fake.compile(kernel, depth + 1)
         return "kernel"
+
+    def attention_fwd():
+        pass
+
+    def attention_bwd():
+        pass
 
     fake.compile = compile
     monkeypatch.setitem(sys.modules, "fake_dsl", fake)
     monkeypatch.setattr(jit_timing, "_TARGETS", (("cute_compile", "fake_dsl", "", "compile"),
                                                  ("absent", "no_such_module_here", "", "compile")))  # fmt: skip
     with jit_timing.jit_time_breakdown() as jit:
-        assert fake.compile() == "kernel"
+        assert fake.compile(attention_fwd) == "kernel"
         assert fake.compile is not compile
-        fake.compile(1)
+        fake.compile(attention_bwd, 1)
     assert fake.compile is compile
-    assert calls == [0, 1, 1]
+    assert calls == [("attention_fwd", 0), ("attention_fwd", 1), ("attention_bwd", 1)]
     summary = jit.summary()
     assert summary["cute_compile_calls"] == 2  # the nested call is inside the first one's time
     assert 0.06 <= summary["cute_compile_s"] < 1.0
     assert "absent_s" not in summary  # its module does not import: left out, not reported as 0
+    # slowest first: the outer call that contains the nested one
+    assert [(e["what"], e["kernel"].rsplit(".", 1)[-1]) for e in summary["slowest"]] == [
+        ("cute_compile", "attention_fwd"), ("cute_compile", "attention_bwd")
+    ]  # fmt: skip
 
 
 def test_first_step_line_adds_up_to_the_first_step():
