@@ -573,6 +573,10 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
     for r in rows:
         if "error" not in r and r.get("compile_time_s"):
             lines.append(f"{r['case']:<36}first step {first_step_breakdown(r)}")
+            slowest = (r.get("first_step_jit") or {}).get("slowest", [])[:5]
+            if slowest:
+                builds = ", ".join(f"{e['s']:.1f} s {e['kernel'][:48]}" for e in slowest)
+                lines.append(f"{r['case']:<36}slowest JIT builds: {builds}")
     for r in rows:
         streams = r.get("reserved_by_stream")
         if streams:
