@@ -39,6 +39,7 @@ for name in ("torch", "triton", "torchao", "liger_kernel", "flash_attn.cute"):
 PY
     grep -E "^(FAILED|ERROR) " "$OUT/gpu_tests.log"
     tail -n 1 "$OUT/gpu_tests.log"
+    sed -n '/slowest .* durations/,/short test summary/p' "$OUT/gpu_tests.log" | grep -v "short test summary"
   } > "$OUT/gpu_suite_summary.txt"
   cat "$OUT/gpu_suite_summary.txt"
   return "$rc"

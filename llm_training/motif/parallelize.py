@@ -11,7 +11,8 @@ Order (fixed; each step wraps what the previous ones produced, so it cannot be r
     3. activation checkpointing   distributed.activation_checkpoint.apply_ac (per block)
     4. torch.compile              distributed.compile.apply_compile (per block, regional)
     5. FSDP2                      distributed.fsdp.apply_fsdp (expert modules over expert_grad_mesh, blocks, then
-                                  the root), SUM gradient reduction
+                                  the root), SUM gradient reduction; over a one-rank mesh the reduction runs on the
+                                  compute stream (distributed.fsdp.reduce_on_compute_stream)
 
 Use (docs/architecture.md §2 step 3; the model spec's `parallelize`):
     with torch.device("meta"): model = Motif3Model(args)
