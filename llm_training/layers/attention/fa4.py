@@ -17,8 +17,10 @@ which breaks SDPA and varlen on torch 2.11 / 2.13: docs/dependencies.md).
   H200 at the GDLA shape, B2 S4096, fwd+bwd: expand_kv 6.90 ms vs pad_v 7.88 ms (full causal) and 2.50 ms vs
   2.97 ms (window 128); bench/bench_attention.py re-measures both. Default: expand_kv. The repeated K/V live
   only inside each kernel call: `_FlashAttn` saves the KV-head K/V for the backward and repeats them again
-  there (n_kv * (d_qk + d_v) per token saved instead of n_h * (d_qk + d_v): 5x less at GDLA's 80 / 16 heads,
-  2.7 GB per 64K-token step of motif3_proxy, 10.7 GB per layer at 256K), summing dK/dV back over the copies.
+  there (n_kv * (d_qk + d_v) per token saved instead of n_h * (d_qk + d_v): 5x less at GDLA's 80 / 16 heads),
+  summing dK/dV back over the copies. Measured on the H200 (session 14): motif3_proxy's peak allocated 107.5 ->
+  105.0 GiB per 64K-token step at the same step time; at 256K tokens a recomputed block keeps 10.7 GB less and the
+  peak, then set by the loss, fell 80.3 -> 77.8 GiB.
   Equal head dims use FA4's native GQA (pack_gqa) with no copy.
 - log-sum-exp: `fa4_attention_lse` returns it too (natural log, fp32 [B, Hq, S]), differentiable (FA4's
   backward takes dlse), which is what ring attention merges.
