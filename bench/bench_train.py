@@ -148,11 +148,14 @@ def time_steps(step_fn, make_step_input, steps: int, warmup: int, device: torch.
     clock on the CPU). Returns the first call's wall seconds (compilation included: the first-step time),
     the timed steps' seconds (after warm-up), and the first call's result. Prints a line as each step starts and
     ends (a benchmark killed by a timeout then shows how far it got, e.g. still in the first, compiling, step), and
-    every 30 s of the first step the compile phases finished so far (`compile_progress`)."""
+    every 30 s of the first step the compile phases finished so far (`compile_progress`). On CUDA also the
+    allocator's high-water marks (peak allocated and reserved GiB since the caller's last reset) after each step:
+    whether the peak comes from the first, compiling step or from the steady state."""
     from llm_training.distributed.compile import compile_progress
 
     on_cuda = device.type == "cuda"
     times_s, first_step_s, first = [], None, None
+    high_water = {"peak_alloc_gib_after_step": [], "peak_reserved_gib_after_step": []}
     for i in range(steps + warmup):
         print(f"[time_steps] step {i + 1}/{steps + warmup} starts{' (compiles)' if i == 0 else ''}", flush=True)
         step_input = make_step_input(i)
@@ -171,7 +174,10 @@ def time_steps(step_fn, make_step_input, steps: int, warmup: int, device: torch.
             first_step_s, first = wall, result
         if i >= warmup:
             times_s.append(start.elapsed_time(end) / 1e3 if on_cuda else wall)
-    return {"times_s": times_s, "first_step_s": first_step_s, "first": first}
+        if on_cuda:
+            high_water["peak_alloc_gib_after_step"].append(round(torch.cuda.max_memory_allocated() / 2**30, 2))
+            high_water["peak_reserved_gib_after_step"].append(round(torch.cuda.max_memory_reserved() / 2**30, 2))
+    return {"times_s": times_s, "first_step_s": first_step_s, "first": first, **(high_water if on_cuda else {})}
 
 
 def throughput(tokens_per_step: int, step_s: float, flops_per_token: dict[str, float], peak: float | None) -> dict:

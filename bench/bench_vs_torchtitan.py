@@ -405,6 +405,7 @@ def run_worker(case: Case) -> dict:
         "first_step_s": timed["first_step_s"], "first_ce": first_ce(timed["first"]), "ln_vocab": math.log(vocab),
         "step_times_ms": [t * 1e3 for t in timed["times_s"]], "peak_bf16_tflops": peak / 1e12 if peak else None,
         **peak_memory_gib(device), **compile_stats(), "first_step_jit": jit.summary(),
+        **{k: v for k, v in timed.items() if k.endswith("_after_step")},
     }  # fmt: skip
     row.update(throughput(case.tokens_per_step, statistics.median(timed["times_s"]), flops, peak))
     if case.profile_steps and device.type == "cuda":
@@ -577,6 +578,11 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
             if slowest:
                 builds = ", ".join(f"{e['s']:.1f} s {e['kernel'][:48]}" for e in slowest)
                 lines.append(f"{r['case']:<36}slowest JIT builds: {builds}")
+    for r in rows:
+        if r.get("peak_reserved_gib_after_step"):
+            marks = " ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(r["peak_alloc_gib_after_step"],
+                                                                r["peak_reserved_gib_after_step"]))  # fmt: skip
+            lines.append(f"{r['case']:<36}peak allocated/reserved GiB after each step: {marks}")
     for r in rows:
         streams = r.get("reserved_by_stream")
         if streams:

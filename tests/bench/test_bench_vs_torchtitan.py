@@ -180,6 +180,8 @@ def test_warm_restart_reruns_a_compiled_case_over_the_caches_of_its_first_run(tm
     assert "reserved GiB by stream (allocated at the end): default 100.0 (20.0), side 1 24.5 (0.0)" in bvt.format_table(
         [row], []
     )
+    row["peak_alloc_gib_after_step"], row["peak_reserved_gib_after_step"] = [90.0, 95.5], [110.0, 112.25]
+    assert "peak allocated/reserved GiB after each step: 90.0/110.0 95.5/112.2" in bvt.format_table([row], [])
     calls.clear()
     bvt.run_case_subprocess(bvt.Case("ours", "eager", "proxy", "muon", 1, 1), 100.0, tmp_path, warm_restart=True)
     assert len(calls) == 1  # an eager case compiles nothing: no restart
