@@ -2,7 +2,8 @@
 
 Also runs under torchrun (`torchrun --nproc_per_node N -m llm_training.train ...`). Order of work:
 parse + validate the config (no torch.distributed, no GPU yet) -> the compiled-kernel caches into the run folder
-(`[compile] cache_folder`; before anything imports flash-attn-4) -> set up logging -> `setup_distributed` (once:
+(`[compile] cache_folder`; before anything imports flash-attn-4) -> set up logging -> the CUDA allocator's settings
+(`[training] cuda_allocator`, before CUDA starts) -> `setup_distributed` (once:
 device, process group (nccl on CUDA, gloo on CPU), device mesh) -> write the resolved config to
 <dump_folder>/<run_name>/config.toml -> run() -> the trainer.
 `--job.dry_run` replaces everything after validation with the dry run (llm_training/dry_run.py): the setup of
@@ -30,7 +31,13 @@ from llm_training.config import (
 )
 from llm_training.distributed import ParallelDims
 from llm_training.distributed.compile import use_kernel_caches
-from llm_training.distributed.utils import destroy_process_group, env_rank, env_world_size, setup_distributed
+from llm_training.distributed.utils import (
+    apply_cuda_allocator_settings,
+    destroy_process_group,
+    env_rank,
+    env_world_size,
+    setup_distributed,
+)
 
 logger = logging.getLogger("llm_training")
 
@@ -81,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         validate_environment(job_config)  # data, tokenizer, optional packages: exit 2, before any setup
         init_logging(rank)
         logger.info("compiled-kernel caches: %s", ", ".join(f"{k}={v}" for k, v in caches.items()) or "the defaults")
+        allocator = apply_cuda_allocator_settings(job_config.training.cuda_allocator)  # before CUDA starts
+        logger.info("CUDA caching allocator: %s", allocator or "PyTorch's defaults")
         device, _ = setup_distributed(job_config.training.device, parallel_dims)
     except ConfigError as e:
         if rank == 0:

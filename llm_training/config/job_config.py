@@ -197,6 +197,11 @@ class Training:
     device: str = option(
         "auto", "device to train on (auto: cuda if available, else cpu)", choices=("auto", "cpu", "cuda")
     )
+    cuda_allocator: str = option(
+        "expandable_segments:True",
+        "settings of the CUDA caching allocator (PYTORCH_ALLOC_CONF syntax, key:value[,key:value]), set at start; "
+        "PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF in the environment win; empty: PyTorch's defaults",
+    )
 
 
 @dataclass

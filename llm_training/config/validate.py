@@ -97,6 +97,26 @@ def _check_profiling(c: "JobConfig") -> None:
     )
 
 
+def _check_cuda_allocator(c: "JobConfig") -> None:
+    """[training] cuda_allocator: comma-separated key:value pairs, a value possibly a bracketed list with its own
+    commas and colons (roundup_power2_divisions:[256:1,>:8]); PyTorch checks the keys when CUDA starts."""
+    settings = c.training.cuda_allocator
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(settings):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            items.append(settings[start:i])
+            start = i + 1
+    items.append(settings[start:])
+    for item in items if settings.strip() else ():
+        key, sep, value = item.partition(":")
+        _require(
+            bool(sep and key.strip() and value.strip()) and (":" not in value or value.strip().startswith("[")),
+            f"[training] cuda_allocator = {settings!r}: {item!r} is not key:value; write comma-separated key:value "
+            "pairs (e.g. 'expandable_segments:True'), or '' for PyTorch's defaults",
+        )
+
+
 def _check_loss_spike(c: "JobConfig") -> None:
     """[loss_spike]: factors above 1, a non-empty window, and a checkpoint to roll back to."""
     ls = c.loss_spike
@@ -289,6 +309,7 @@ def validate_config(c: "JobConfig") -> None:
         "set enable = true or export_hf_every = 0",
     )
     _check_loss_spike(c)
+    _check_cuda_allocator(c)
     _require(c.metrics.log_freq >= 1, f"[metrics] log_freq must be >= 1, got {c.metrics.log_freq}")
     _check_profiling(c)
     _require(

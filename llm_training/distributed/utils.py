@@ -14,6 +14,7 @@ replicated), `all_reduce_` (a no-op without a process group) and `destroy_proces
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from collections import defaultdict
 
@@ -22,6 +23,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from llm_training.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def env_rank() -> int:
@@ -35,6 +38,33 @@ def env_world_size() -> int:
 def launched_distributed() -> bool:
     """True under torchrun (or any launcher that sets RANK / WORLD_SIZE > 1)."""
     return "RANK" in os.environ or env_world_size() > 1
+
+
+# the environment variables the CUDA caching allocator reads its settings from (torch >= 2.9 reads the first, and
+# the second as its older name)
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def apply_cuda_allocator_settings(settings: str) -> str | None:
+    """Hand the CUDA caching allocator `settings` ([training] cuda_allocator) through PYTORCH_ALLOC_CONF, which it
+    reads when CUDA starts in this process (and which child processes inherit). Returns the settings the allocator
+    will use: the environment's own when it sets one of `ALLOC_CONF_VARIABLES` (they win), else `settings`; None for
+    PyTorch's defaults (empty settings, or CUDA already started: then nothing can change them, and a warning says
+    so)."""
+    for name in ALLOC_CONF_VARIABLES:
+        if os.environ.get(name):
+            return os.environ[name]
+    if not settings.strip():
+        return None
+    if torch.cuda.is_initialized():
+        logger.warning(
+            "[training] cuda_allocator = %r not applied: CUDA started before the trainer could set it; set "
+            "PYTORCH_ALLOC_CONF in the environment instead",
+            settings,
+        )
+        return None
+    os.environ[ALLOC_CONF_VARIABLES[0]] = settings
+    return settings
 
 
 def resolve_device(wanted: str) -> torch.device:

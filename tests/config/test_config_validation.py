@@ -94,6 +94,19 @@ def test_out_of_range_values_name_the_key(arg, key):
     assert key in str(e.value)
 
 
+@pytest.mark.parametrize("value", ["expandable_segments", "expandable_segments:True,", ":True", "a:b:c"])
+def test_cuda_allocator_that_is_not_key_value_pairs_names_the_key(value):
+    with pytest.raises(ConfigError, match=r"\[training\] cuda_allocator = .* is not key:value"):
+        parse(f"--training.cuda_allocator={value}")
+
+
+def test_cuda_allocator_defaults_to_expandable_segments_and_takes_pairs_or_nothing():
+    assert parse().training.cuda_allocator == "expandable_segments:True"
+    for value in ("", "expandable_segments:True,garbage_collection_threshold:0.8",
+                  "roundup_power2_divisions:[256:1,512:2,>:8],expandable_segments:False"):  # fmt: skip
+        assert parse(f"--training.cuda_allocator={value}").training.cuda_allocator == value
+
+
 def test_validation_enabled_without_dataset_path_names_the_key():
     with pytest.raises(ConfigError) as e:
         parse("--validation.enable")

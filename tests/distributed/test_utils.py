@@ -1,6 +1,7 @@
 """distributed.utils: gradient clipping over parameters on different device meshes (an FSDP-like 1-D mesh, a
 second 2-D mesh such as an expert mesh, and plain replicated tensors) on 2 gloo ranks equals clipping the full
-gradients in one process; device resolution names the key when CUDA is missing."""
+gradients in one process; device resolution names the key when CUDA is missing; the CUDA allocator's settings
+reach the environment before CUDA starts, and the environment's own win."""
 
 import os
 
@@ -10,7 +11,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from llm_training.config import ConfigError
-from llm_training.distributed.utils import clip_grad_norm_, destroy_process_group, resolve_device
+from llm_training.distributed.utils import (
+    ALLOC_CONF_VARIABLES,
+    apply_cuda_allocator_settings,
+    clip_grad_norm_,
+    destroy_process_group,
+    resolve_device,
+)
 
 FULL_GRADS = {  # what the three kinds of parameters' full gradients are
     "fsdp": torch.arange(12.0).view(4, 3) - 5.0,
@@ -76,3 +83,51 @@ def test_resolve_device_cuda_without_gpu_names_the_key(monkeypatch):
     with pytest.raises(ConfigError, match=r"\[training\] device = 'cuda'"):
         resolve_device("cuda")
     assert resolve_device("auto") == torch.device("cpu")
+
+
+@pytest.fixture
+def no_alloc_conf(monkeypatch):
+    for name in ALLOC_CONF_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_allocator_settings_go_to_the_environment_before_cuda_starts(no_alloc_conf, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert apply_cuda_allocator_settings("expandable_segments:True") == "expandable_segments:True"
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+
+
+@pytest.mark.parametrize("name", ALLOC_CONF_VARIABLES)
+def test_the_environments_allocator_settings_win(no_alloc_conf, monkeypatch, name):
+    monkeypatch.setenv(name, "max_split_size_mb:512")
+    assert apply_cuda_allocator_settings("expandable_segments:True") == "max_split_size_mb:512"
+    assert [os.environ.get(n) for n in ALLOC_CONF_VARIABLES].count("expandable_segments:True") == 0
+
+
+def test_no_settings_or_cuda_already_started_leave_the_defaults(no_alloc_conf, monkeypatch, caplog):
+    assert apply_cuda_allocator_settings("") is None and "PYTORCH_ALLOC_CONF" not in os.environ
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert apply_cuda_allocator_settings("expandable_segments:True") is None
+    assert "PYTORCH_ALLOC_CONF" not in os.environ and "not applied: CUDA started" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_allocator_settings_reach_the_allocator():
+    """In a fresh process (CUDA not started): the default setting gives expandable segments, empty does not."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; from llm_training.distributed.utils import apply_cuda_allocator_settings as a; "
+        "a(sys.argv[1]); x = torch.empty(1 << 20, device='cuda'); "
+        "print(any(s.get('is_expandable', False) for s in torch.cuda.memory_snapshot()))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ALLOC_CONF_VARIABLES}
+    got = {
+        value: subprocess.run(
+            [sys.executable, "-c", code, value], env=env, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for value in ("expandable_segments:True", "")
+    }
+    assert got == {"expandable_segments:True": "True", "": "False"}
