@@ -91,6 +91,7 @@ class Case:
     profile_steps: int = 0  # optimizer steps profiled after timing (CUDA): kernel time by cost group
     recipe: str = "none"  # our systems: the [quantize] recipe (torchtitan: always "none", bf16)
     mhc_backward: str = "auto"  # our systems: [kernels] mhc_backward (auto = the default config)
+    memory_snapshot: bool = False  # one more step after timing recorded by the CUDA allocator: what holds its peak
 
     @property
     def name(self) -> str:
@@ -408,11 +409,32 @@ def run_worker(case: Case) -> dict:
         **{k: v for k, v in timed.items() if k.endswith("_after_step")},
     }  # fmt: skip
     row.update(throughput(case.tokens_per_step, statistics.median(timed["times_s"]), flops, peak))
+    next_step = case.steps + case.warmup
+    if case.memory_snapshot and device.type == "cuda":
+        row["memory_peak"] = record_memory_peak(step, next_step, device)
+        next_step += 1
     if case.profile_steps and device.type == "cuda":
-        row["profile_groups"], row["profile_top_kernels"] = profile_kernel_groups(
-            step, case.steps + case.warmup, case.profile_steps
-        )
+        row["profile_groups"], row["profile_top_kernels"] = profile_kernel_groups(step, next_step, case.profile_steps)
     return row
+
+
+def record_memory_peak(step, index: int, device) -> dict:
+    """One more optimizer step under the CUDA allocator's history (Python stacks); what held the memory at its
+    peak (`trainer.memory_peak.peak_breakdown`: allocated and reserved, by the code that allocated)."""
+    import torch
+
+    from llm_training.trainer.memory_peak import format_peak_breakdown, peak_breakdown
+
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        step(index)
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    report = peak_breakdown(snapshot, device.index or 0)
+    print(format_peak_breakdown(report), flush=True)
+    return report
 
 
 def profile_kernel_groups(step, first_index: int, steps: int) -> tuple[list[dict], list[dict]]:
@@ -461,7 +483,7 @@ def run_case_subprocess(
         env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
     row = _run_worker_process(case, timeout_s, log_dir / f"{stem}.json", env)
     if warm_restart and case.compiled and "error" not in row:
-        again = dataclasses.replace(case, steps=1, warmup=0, profile_steps=0)
+        again = dataclasses.replace(case, steps=1, warmup=0, profile_steps=0, memory_snapshot=False)
         warm = _run_worker_process(again, timeout_s, log_dir / f"{stem}_warm_restart.json", env)
         row["warm_restart"] = {k: warm.get(k) for k in ("first_step_s", "compile_time_s", "error", "case_wall_s")}
     shutil.rmtree(cache, ignore_errors=True)
@@ -584,6 +606,12 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
                                                                 r["peak_reserved_gib_after_step"]))  # fmt: skip
             lines.append(f"{r['case']:<36}peak allocated/reserved GiB after each step: {marks}")
     for r in rows:
+        if r.get("memory_peak"):
+            from llm_training.trainer.memory_peak import format_peak_breakdown
+
+            lines.append(f"{r['case']:<36}memory over one more step:")
+            lines += [f"    {line}" for line in format_peak_breakdown(r["memory_peak"]).splitlines()]
+    for r in rows:
         streams = r.get("reserved_by_stream")
         if streams:
             parts = ", ".join(f"{q['stream']} {q['reserved_gib']:.1f} ({q['allocated_gib']:.1f})" for q in streams)
@@ -616,6 +644,8 @@ def main(argv=None) -> int:
         default="expandable_segments:True",
         help="PYTORCH_CUDA_ALLOC_CONF of every case (default: what torchtitan's run_train.sh sets)",
     )
+    p.add_argument("--memory-snapshot", action="store_true", help="one more step per case under the CUDA allocator's "
+                   "history: allocated / reserved peaks and what was live at the peak, by allocating code line")  # fmt: skip
     p.add_argument("--warm-restart", action="store_true", help="run each compiled case once more over the compile "
                    "caches of its first run (a restarted run): first-step time with warm caches")  # fmt: skip
     p.add_argument("--out", default=str(BENCH_DIR / "results" / "bench_vs_torchtitan.json"))
@@ -631,6 +661,7 @@ def main(argv=None) -> int:
     recipes = tuple(r.strip() for r in a.quantize.split(",") if r.strip())
     mhc_backwards = tuple(m.strip() for m in a.mhc_backward.split(",") if m.strip())
     cases = build_cases(a.cases, a.size, a.steps, a.warmup, optimizers, a.profile_steps, recipes, mhc_backwards)
+    cases = [dataclasses.replace(c, memory_snapshot=a.memory_snapshot) for c in cases]
     log_dir = Path(a.log_dir) if a.log_dir else Path(tempfile.mkdtemp(prefix="bench_vs_torchtitan_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -414,7 +414,7 @@ class Profiling:
     memory_snapshot: bool = option(
         False,
         "also record the CUDA allocator's history over the steps and write its snapshot (open it in "
-        "pytorch.org/memory_viz); CUDA only",
+        "pytorch.org/memory_viz) and a summary of what holds the memory at its peak; CUDA only",
     )
     ranks: str = option("rank0", "which ranks profile: rank0 or all", choices=("rank0", "all"))
     folder: str = option("profile", "output folder, relative to <dump_folder>/<run_name>/")

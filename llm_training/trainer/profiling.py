@@ -71,10 +71,22 @@ class StepProfiler:
         profiler.export_chrome_trace(str(trace))
         written = [trace]
         if self.memory:
-            snapshot = self.folder / f"memory_{self.name}.pickle"
-            torch.cuda.memory._dump_snapshot(str(snapshot))
+            import pickle
+
+            from llm_training.trainer.memory_peak import format_peak_breakdown, peak_breakdown
+
+            recorded = torch.cuda.memory._snapshot()  # what _dump_snapshot pickles (pytorch.org/memory_viz reads it)
             torch.cuda.memory._record_memory_history(enabled=None)
+            snapshot = self.folder / f"memory_{self.name}.pickle"
+            with open(snapshot, "wb") as f:
+                pickle.dump(recorded, f)
             written.append(snapshot)
+            summary = self.folder / f"memory_{self.name}.txt"  # what holds the memory at its peak, by code site
+            try:
+                summary.write_text(format_peak_breakdown(peak_breakdown(recorded, self.device.index or 0)) + "\n")
+                written.append(summary)
+            except (KeyError, TypeError, ValueError) as e:  # a snapshot layout this reader does not know: the
+                logger.warning("profiling: no memory summary (%s: %s); the snapshot is written", type(e).__name__, e)
         logger.info("profiling: wrote %s", ", ".join(str(p) for p in written))
 
 

@@ -165,11 +165,12 @@ def test_warm_restart_reruns_a_compiled_case_over_the_caches_of_its_first_run(tm
         return {**_row(case.system, case.group, 30000.0, 300.0, 350.0), "first_step_s": first, "compile_time_s": {}}
 
     monkeypatch.setattr(bvt, "_run_worker_process", fake_worker)
-    compiled = bvt.Case("ours_nomtp", "accum", "proxy", "adamw", 3, 2, profile_steps=1)
+    compiled = bvt.Case("ours_nomtp", "accum", "proxy", "adamw", 3, 2, profile_steps=1, memory_snapshot=True)
     row = bvt.run_case_subprocess(compiled, 100.0, tmp_path, warm_restart=True)
     (cold, cold_file, *cold_cache), (warm, warm_file, *warm_cache) = calls
     assert cold == compiled and cold_file == "ours_nomtp_adamw_accum.json"
-    assert (warm.steps, warm.warmup, warm.profile_steps) == (1, 0, 0) and warm_file.endswith("_warm_restart.json")
+    assert (warm.steps, warm.warmup, warm.profile_steps, warm.memory_snapshot) == (1, 0, 0, False)
+    assert warm_file.endswith("_warm_restart.json")
     assert warm_cache == cold_cache  # the same inductor, triton and flash-attn-4 caches
     assert row["first_step_s"] == 95.0 and row["warm_restart"]["first_step_s"] == 12.5
     assert "restarted over its compile cache: first step 12.5 s (cold 95.0 s)" in bvt.format_table([row], [])
@@ -180,6 +181,16 @@ def test_warm_restart_reruns_a_compiled_case_over_the_caches_of_its_first_run(tm
     assert "reserved GiB by stream (allocated at the end): default 100.0 (20.0), side 1 24.5 (0.0)" in bvt.format_table(
         [row], []
     )
+    row["memory_peak"] = {
+        "events": 3, "allocated_gib": {"start": 50.0, "peak": 90.0, "end": 50.0},
+        "reserved_gib": {"start": 100.0, "peak": 110.0, "end": 110.0}, "unused_at_reserved_peak_gib": 8.0,
+        "at_allocated_peak": [{"site": "(allocated before the recording)", "gib": 50.0, "blocks": None},
+                              {"site": "llm_training/layers/moe.py:88 dispatch", "gib": 40.0, "blocks": 7}],
+        "other_sites_gib": 0.0,
+    }  # fmt: skip
+    table = bvt.format_table([row], [])
+    assert "memory over one more step:" in table and "reserved but unused at the reserved peak 8.00 GiB" in table
+    assert "40.00 GiB in 7 blocks  llm_training/layers/moe.py:88 dispatch" in table
     row["peak_alloc_gib_after_step"], row["peak_reserved_gib_after_step"] = [90.0, 95.5], [110.0, 112.25]
     assert "peak allocated/reserved GiB after each step: 90.0/110.0 95.5/112.2" in bvt.format_table([row], [])
     calls.clear()

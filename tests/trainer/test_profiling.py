@@ -48,3 +48,29 @@ def test_no_profiling_by_default_writes_nothing(make_config):
 def test_bad_profiling_values_are_config_errors_naming_the_key(make_config, overrides, message):
     with pytest.raises(ConfigError, match=message):
         make_config(*overrides)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_memory_snapshot_and_its_peak_summary_on_cuda(make_config):
+    """One GPU: the allocator history of the profiled steps is pickled beside the trace, with a summary of what held
+    the memory at its peak by the code that allocated it (trainer/memory_peak.py)."""
+    import pickle
+
+    from llm_training.distributed.utils import destroy_process_group, setup_distributed
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
+    device, created = setup_distributed("cuda", dims)
+    try:
+        c = make_config("--training.device=cuda", "--training.mixed_precision_param=bfloat16", "--training.steps=2",
+                        "--checkpoint.enable=false", "--profiling.start_step=2", "--profiling.memory_snapshot=true")  # fmt: skip
+        train(c, dims, device)
+    finally:
+        if created:
+            destroy_process_group()
+    folder = c.run_folder / "profile"
+    snapshot = pickle.loads((folder / "memory_rank0_steps2-2.pickle").read_bytes())
+    assert snapshot["device_traces"][device.index or 0]  # the step's events were recorded
+    summary = (folder / "memory_rank0_steps2-2.txt").read_text()
+    assert summary.startswith("allocated GiB start") and "live at the allocated peak" in summary
+    assert "llm_training/" in summary  # a site in our code holds part of the peak
