@@ -575,6 +575,8 @@ def first_step_breakdown(row: dict) -> str:
 
 def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
     """The printed table: one line per case (FAIL lines give the reason), then the ours/torchtitan ratios."""
+    from llm_training.trainer.memory_peak import format_peak_breakdown
+
     head = (f"{'case':<36}{'tok/step':>9}{'ms/step':>9}{'tok/s':>9}{'TF/s ours':>10}{'MFU ours':>9}"
             f"{'TF/s tt':>8}{'MFU tt':>8}{'resv GiB':>9}{'1st s':>7}{'graphs':>7}{'recomp':>7}{'case s':>7}")  # fmt: skip
     lines = [head]
@@ -607,8 +609,6 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
             lines.append(f"{r['case']:<36}peak allocated/reserved GiB after each step: {marks}")
     for r in rows:
         if r.get("memory_peak"):
-            from llm_training.trainer.memory_peak import format_peak_breakdown
-
             lines.append(f"{r['case']:<36}memory over one more step:")
             lines += [f"    {line}" for line in format_peak_breakdown(r["memory_peak"]).splitlines()]
     for r in rows:
@@ -644,8 +644,8 @@ def main(argv=None) -> int:
         default="expandable_segments:True",
         help="PYTORCH_CUDA_ALLOC_CONF of every case (default: what torchtitan's run_train.sh sets)",
     )
-    p.add_argument("--memory-snapshot", action="store_true", help="one more step per case under the CUDA allocator's "
-                   "history: allocated / reserved peaks and what was live at the peak, by allocating code line")  # fmt: skip
+    p.add_argument("--memory-snapshot", action="store_true", help="one more step per case under the CUDA "
+                   "allocator's history: allocated / reserved peaks and what was live at the peak, by code line")  # fmt: skip
     p.add_argument("--warm-restart", action="store_true", help="run each compiled case once more over the compile "
                    "caches of its first run (a restarted run): first-step time with warm caches")  # fmt: skip
     p.add_argument("--out", default=str(BENCH_DIR / "results" / "bench_vs_torchtitan.json"))

@@ -39,7 +39,7 @@ import torch
 assert torch.cuda.is_available(), 'no GPU visible in the container'
 import deep_ep, deep_gemm, liger_kernel, torchao
 from deep_ep import HybridEPBuffer
-from flash_attn.cute import flash_attn_varlen_func
+from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd  # what layers/attention/fa4.py calls
 print('GPU imports ok on', torch.cuda.get_device_name())
 "
 else

@@ -7,8 +7,9 @@
 The snapshot holds the allocator's segments at the end and, per device, a trace of the recorded events (alloc,
 free_completed; segment_alloc / segment_free and, with expandable segments, segment_map / segment_unmap). Replaying
 the trace gives allocated and reserved bytes after every event, anchored at the end state; memory allocated before
-the recording started (or by events that fell out of the history buffer) shows as "before the recording". A block counts as allocated until its free completes (a
-block freed on one stream while another still uses it stays allocated until then, as in the allocator).
+the recording started (or by events that fell out of the history buffer) shows as "before the recording". A block
+counts as allocated until its free completes (a block freed on one stream while another still uses it stays
+allocated until then, as in the allocator).
 The peak's live blocks are grouped by their allocation site: the innermost frame in this project's code
 (`llm_training/`, `optimizer/`, `activation`), else the innermost frame outside torch's own files, else the
 innermost frame. The gap between reserved and allocated at the reserved peak is what the caching allocator holds
@@ -26,7 +27,7 @@ _ALLOCATE = {"alloc": 1, "free_completed": -1}
 
 
 def allocation_site(frames: list[dict]) -> str:
-    """ "file:line function" of the frame that best names who allocated a block (module docstring)."""
+    """The frame that best names who allocated a block, as "file:line function" (module docstring)."""
     if not frames:
         return "(no stack recorded)"
 

@@ -62,8 +62,10 @@ def test_memory_snapshot_and_its_peak_summary_on_cuda(make_config):
     dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
     device, created = setup_distributed("cuda", dims)
     try:
-        c = make_config("--training.device=cuda", "--training.mixed_precision_param=bfloat16", "--training.steps=2",
-                        "--checkpoint.enable=false", "--profiling.start_step=2", "--profiling.memory_snapshot=true")  # fmt: skip
+        c = make_config(
+            "--training.device=cuda", "--training.mixed_precision_param=bfloat16", "--training.steps=2",
+            "--checkpoint.enable=false", "--profiling.start_step=2", "--profiling.memory_snapshot=true",
+        )  # fmt: skip
         train(c, dims, device)
     finally:
         if created:

@@ -219,8 +219,8 @@ def _warn_auto_without_fa4(device: torch.device) -> None:
         logger.warning(
             "[kernels] attention = 'auto': flash-attn-4 has kernels for this GPU but does not import (%s), so "
             "attention runs FlexAttention / SDPA, up to 2.6x slower on the H200 (bench/README.md); install "
-            "flash-attn-4==4.0.0b36 (it and its CuTe DSL libraries are in the repo's CUDA image), or set attention = 'flex' to "
-            "silence this",
+            "flash-attn-4==4.0.0b36 (it and its CuTe DSL libraries are in the repo's CUDA image), or set "
+            "attention = 'flex' to silence this",
             error,
         )
 

@@ -46,6 +46,8 @@ from typing import Optional
 
 import torch
 
+from llm_training.layers.attention.masks import repeat_kv
+
 GQA_LAYOUTS = ("expand_kv", "pad_v")
 # measured default (module docstring): expanding KV heads beats padding V by 13-16% at the GDLA shape
 DEFAULT_GQA_LAYOUT = "expand_kv"
@@ -57,9 +59,10 @@ _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 @functools.cache
 def fa4_import_error() -> Optional[str]:
-    """None when `flash_attn.cute` imports, else why not (cached: the import is tried once per process)."""
+    """None when `flash_attn.cute` imports with the kernel functions `_FlashAttn` calls, else why not (cached: the
+    import is tried once per process)."""
     try:
-        import flash_attn.cute  # noqa: F401
+        from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd  # noqa: F401
     except Exception as e:  # ImportError, or a CUDA / DSL initialisation error of the package
         return f"{type(e).__name__}: {e}"
     return None
@@ -152,13 +155,8 @@ def _layout_kv(k_BSKD, v_BSKE, n_heads: int, gqa_layout: str):
     raise ValueError(f"unknown FA4 GQA layout {gqa_layout!r}; one of {GQA_LAYOUTS}")
 
 
-def _repeat_kv_heads(x_THD: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[..., n_kv, D] -> [..., n_kv * n_rep, D], query head h reading KV head h // n_rep."""
-    return x_THD if n_rep == 1 else x_THD.repeat_interleave(n_rep, dim=-2)
-
-
 def _sum_kv_copies(dx_THD: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """The gradient of `_repeat_kv_heads`: [..., n_kv * n_rep, D] summed back to [..., n_kv, D]."""
+    """The gradient of `masks.repeat_kv`: [..., n_kv * n_rep, D] summed back to [..., n_kv, D]."""
     return dx_THD if n_rep == 1 else dx_THD.unflatten(-2, (-1, n_rep)).sum(-2)
 
 
@@ -172,7 +170,7 @@ class _FlashAttn(torch.autograd.Function):
         from flash_attn.cute.interface import _flash_attn_fwd
 
         out, lse = _flash_attn_fwd(
-            q, _repeat_kv_heads(k, n_rep), _repeat_kv_heads(v, n_rep), cu_seqlens_q=cu_seqlens,
+            q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), cu_seqlens_q=cu_seqlens,
             cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale,
             causal=causal, softcap=0.0, window_size_left=window_size[0], window_size_right=window_size[1],
             return_lse=True,
@@ -189,7 +187,7 @@ class _FlashAttn(torch.autograd.Function):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
         scale, causal, window_size, max_seqlen, n_rep = ctx.args
         dq, dk, dv = _flash_attn_bwd(
-            q, _repeat_kv_heads(k, n_rep), _repeat_kv_heads(v, n_rep), out,
+            q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), out,
             torch.zeros_like(out) if dout is None else dout, lse, scale, causal, 0.0,
             window_size_left=window_size[0], window_size_right=window_size[1], cu_seqlens_q=cu_seqlens,
             cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, dlse=dlse,

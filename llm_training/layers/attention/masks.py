@@ -50,8 +50,9 @@ def document_starts(document_ids_BS: torch.Tensor) -> torch.Tensor:
 
 
 def repeat_kv(x_BSKD: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """KV heads repeated `n_rep` times along dim 2 (GQA -> one KV head per query head)."""
-    return x_BSKD if n_rep == 1 else x_BSKD.repeat_interleave(n_rep, dim=2)
+    """KV heads repeated `n_rep` times along the head dim (-2: [B, S, K, D], or varlen [T, K, D]), query head h
+    reading KV head h // n_rep (GQA -> one KV head per query head)."""
+    return x_BSKD if n_rep == 1 else x_BSKD.repeat_interleave(n_rep, dim=-2)
 
 
 @torch.no_grad()

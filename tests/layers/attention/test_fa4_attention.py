@@ -433,3 +433,26 @@ def test_missing_reason_is_none_off_the_gpus_flash_attn_4_supports(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(fa4, "fa4_import_error", lambda: "ImportError: x")
     assert fa4.fa4_missing_reason("cuda") == "ImportError: x"
+
+
+def test_a_flash_attn_4_without_the_kernel_functions_counts_as_not_importable(monkeypatch):
+    """fa4 calls flash_attn.cute.interface's forward / backward kernel functions: a flash-attn-4 that imports but
+    lacks them (another version) is reported missing, so backend auto falls back instead of failing at the call."""
+    package, cute, interface = (
+        types.ModuleType(n) for n in ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface")
+    )
+    package.cute, cute.interface = cute, interface
+    interface._flash_attn_fwd = lambda *a, **k: None  # the backward function is missing
+    for name, module in (("flash_attn", package), ("flash_attn.cute", cute), ("flash_attn.cute.interface", interface)):
+        monkeypatch.setitem(sys.modules, name, module)
+    fa4.fa4_import_error.cache_clear()
+    try:
+        error = fa4.fa4_import_error()
+    finally:
+        fa4.fa4_import_error.cache_clear()
+    assert error is not None and error.startswith("ImportError") and "_flash_attn_bwd" in error
+    interface._flash_attn_bwd = lambda *a, **k: None
+    try:
+        assert fa4.fa4_import_error() is None
+    finally:
+        fa4.fa4_import_error.cache_clear()
