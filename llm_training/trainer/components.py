@@ -74,6 +74,7 @@ def build_components(
             raise RuntimeError(f"parallelize materialised parameters off the meta device: {materialised[:3]}")
     rules, forbidden = spec.optimizer_rules(job_config.optimizer)
     optimizers = build_optimizers(model, job_config, rules, forbidden)
+    optimizers.init_state()  # the long-lived state before the activations (OptimizersContainer.init_state)
     return Components(model_args, model, converters, parallel, optimizers)
 
 

@@ -47,19 +47,62 @@ class OptimizersContainer:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> dict:
+    def init_state(self) -> None:
+        """Create every optimizer state tensor now, as its zero initial value, instead of in the first step.
+
+        torch.optim creates AdamW's moments in its first `step()`, after the first step's forward and backward:
+        they then land in the holes the freed activations leave in the CUDA caching allocator, and the next step's
+        activations no longer fit around them (on one H200, motif3_proxy reserved 8 GiB more than it
+        allocated). Created before training, the long-lived state sits together, and a run that does not fit
+        fails at startup rather than after its first (compiling) step. The values are exactly those of the lazy
+        creation; calling this again is a no-op."""
         if self.muon is not None:
-            self.muon.init_state()  # cheap; spares DCP's zero-grad warm-up step (see Muon.init_state)
+            self.muon.init_state()
+        if self.adamw is not None:
+            init_adamw_state(self.adamw)
+
+    def state_dict(self) -> dict:
+        self.init_state()  # cheap; spares DCP's warm-up step (a zero-grad step that leaves AdamW's step at 1)
         merged: dict = {}
         for opt in self.optimizers:
             merged.update(get_optimizer_state_dict(self.model, opt, options=_FLAT))
         return merged
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if self.muon is not None:
-            self.muon.init_state()
+        self.init_state()
         for opt in self.optimizers:
             set_optimizer_state_dict(self.model, opt, optim_state_dict=state_dict, options=_FLAT)
+
+
+@torch.no_grad()
+def init_adamw_state(adamw: torch.optim.Optimizer) -> None:
+    """Make `adamw` (a torch.optim.AdamW without state) create its state now: one step over zero gradients at
+    learning rate 0, then its step counters back to 0. Over zero gradients both moments stay exactly 0 and, at
+    learning rate 0, neither the update nor the decoupled weight decay changes a parameter (p * (1 - 0 * wd),
+    p - 0 * 0 / (0 + eps)), so the state equals what the first real step would have created, through torch's own
+    code path (foreach or fused, plain or DTensor). Parameters that already have a gradient, or any state, leave
+    the optimizer untouched."""
+    params = [p for group in adamw.param_groups for p in group["params"] if p.requires_grad]
+    if adamw.state or not params or any(p.grad is not None for p in params):
+        return
+    lrs = [group["lr"] for group in adamw.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in adamw.param_groups:
+        group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+    try:
+        adamw.step()
+    finally:
+        for group, lr in zip(adamw.param_groups, lrs):
+            group["lr"] = lr
+        for p in params:
+            p.grad = None
+    for state in adamw.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            state["step"] = 0
 
 
 def _adamw(groups: list[dict], lr: float, betas, eps: float, device: torch.device) -> torch.optim.AdamW:

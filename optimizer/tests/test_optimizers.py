@@ -1,0 +1,87 @@
+"""OptimizersContainer.init_state / init_adamw_state: AdamW's state created before training equals what its first
+step would have created, and training from it is bitwise the training from lazily created state."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from optimizer.optimizers import OptimizersContainer, init_adamw_state
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+def _adamw(model: nn.Module, foreach: bool) -> torch.optim.AdamW:
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() == 2]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() == 2)]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, foreach=foreach)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(5, 8, generator=gen)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_init_adamw_state_is_the_zero_initial_state_and_changes_no_parameter(foreach):
+    model = _model()
+    before = copy.deepcopy(model.state_dict())
+    opt = _adamw(model, foreach)
+    init_adamw_state(opt)
+    params = list(model.parameters())
+    assert len(opt.state) == len(params)
+    for p in params:
+        state = opt.state[p]
+        assert float(state["step"]) == 0.0
+        assert torch.count_nonzero(state["exp_avg"]) == 0 and torch.count_nonzero(state["exp_avg_sq"]) == 0
+        assert state["exp_avg"].shape == p.shape and p.grad is None
+    assert [g["lr"] for g in opt.param_groups] == [3e-3, 3e-3]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_training_from_the_early_state_is_bitwise_the_lazy_one(foreach):
+    lazy_model = _model()
+    early_model = copy.deepcopy(lazy_model)
+    lazy, early = _adamw(lazy_model, foreach), _adamw(early_model, foreach)
+    init_adamw_state(early)
+    _train(lazy_model, lazy, 3)
+    _train(early_model, early, 3)
+    for (name, a), b in zip(lazy_model.state_dict().items(), early_model.state_dict().values()):
+        assert torch.equal(a, b), name
+    for p_lazy, p_early in zip(lazy_model.parameters(), early_model.parameters()):
+        assert float(lazy.state[p_lazy]["step"]) == float(early.state[p_early]["step"]) == 3.0
+        assert torch.equal(lazy.state[p_lazy]["exp_avg_sq"], early.state[p_early]["exp_avg_sq"])
+
+
+def test_init_adamw_state_leaves_an_optimizer_with_state_or_gradients_alone():
+    model = _model()
+    opt = _adamw(model, foreach=True)
+    _train(model, opt, 1)
+    steps = {id(p): float(s["step"]) for p, s in opt.state.items()}
+    init_adamw_state(opt)  # already has state: no step, counters kept
+    assert {id(p): float(s["step"]) for p, s in opt.state.items()} == steps
+
+    fresh_model = _model()
+    fresh = _adamw(fresh_model, foreach=True)
+    fresh_model(torch.randn(2, 8)).sum().backward()  # gradients of a real micro-batch are never replaced
+    init_adamw_state(fresh)
+    assert not fresh.state and all(p.grad is not None for p in fresh_model.parameters())
+
+
+def test_container_init_state_is_idempotent():
+    model = _model()
+    container = OptimizersContainer(model, None, _adamw(model, foreach=True), grouping=None)
+    container.init_state()
+    moments = {id(p): s["exp_avg"] for p, s in container.adamw.state.items()}
+    container.init_state()
+    assert {id(p): s["exp_avg"] for p, s in container.adamw.state.items()} == moments  # the same tensors
