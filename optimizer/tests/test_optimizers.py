@@ -5,8 +5,8 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 from optimizer.optimizers import OptimizersContainer, init_adamw_state
+from torch import nn
 
 
 def _model() -> nn.Module:
