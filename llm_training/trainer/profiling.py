@@ -45,10 +45,24 @@ class StepProfiler:
     def _profiled_step(self, step: int):
         if self._profiler is None:
             self._start()
-        with torch.profiler.record_function(f"train step {step}"):
+        with torch.profiler.record_function(f"train step {step}"), self._whole_recomputes():
             yield
         if step == self.last:
             self.close()
+
+    def _whole_recomputes(self):
+        """While the allocator records its history, activation checkpointing recomputes each region to its end.
+
+        torch 2.11 regression (pytorch/pytorch#179536): with the history on, an eager non-reentrant checkpoint
+        whose recompute stops early (torch.utils.checkpoint raises inside the region once it has what the backward
+        needs) loses that exception, and the backward fails with "SystemError: ... returned NULL without setting
+        an exception" from an autograd Function inside the region (mHC's Sinkhorn). Recomputing whole regions
+        raises nothing; it costs the rest of each region's forward, on the profiled steps only."""
+        if not self.memory:
+            return contextlib.nullcontext()
+        from torch.utils.checkpoint import set_checkpoint_early_stop
+
+        return set_checkpoint_early_stop(False)
 
     def _start(self) -> None:
         activities = [torch.profiler.ProfilerActivity.CPU]
