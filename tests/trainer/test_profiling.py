@@ -32,6 +32,39 @@ def test_no_profiling_by_default_writes_nothing(make_config):
     assert len(result.losses) == 2 and result.run_folder.exists() and not (c.run_folder / "profile").exists()
 
 
+def _recomputed_to_the_end() -> bool:
+    """Whether a non-reentrant checkpoint's recompute runs its region to the end (a side effect after the region's
+    last saved tensor happens again in the backward) or stops early (torch's default)."""
+    from torch.utils.checkpoint import checkpoint
+
+    calls = []
+
+    def region(x):
+        y = x.sin()  # saves x: the only tensor the backward needs
+        calls.append(1)
+        return y.clone()
+
+    x = torch.randn(4, requires_grad=True)
+    checkpoint(region, x, use_reentrant=False).sum().backward()
+    return len(calls) == 2
+
+
+@pytest.mark.parametrize("memory", [True, False])
+def test_profiled_steps_recompute_whole_regions_only_while_memory_is_recorded(memory):
+    """torch 2.11 loses the early-stop exception under the allocator's history (pytorch/pytorch#179536), so the
+    profiler turns early stop off for the steps it records memory of, and leaves torch's default otherwise."""
+    from types import SimpleNamespace
+
+    from llm_training.trainer.profiling import StepProfiler
+
+    profiling = SimpleNamespace(start_step=1, end_step=1, memory_snapshot=memory, ranks="0", folder="profile")
+    profiler = StepProfiler(profiling, run_folder="unused", rank=0, device=torch.device("cuda"))
+    assert not _recomputed_to_the_end()
+    with profiler._whole_recomputes():
+        assert _recomputed_to_the_end() == memory
+    assert not _recomputed_to_the_end()
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
