@@ -420,11 +420,16 @@ def run_worker(case: Case) -> dict:
 
 def record_memory_peak(step, index: int, device) -> dict:
     """One more optimizer step under the CUDA allocator's history (Python stacks); what held the memory at its
-    peak (`trainer.memory_peak.peak_breakdown`: allocated and reserved, by the code that allocated)."""
+    peak (`trainer.memory_peak.peak_breakdown`: allocated and reserved, by the code that allocated) and what made
+    the reserve grow. The step starts from an emptied cache, so that it maps its whole reserve again inside the
+    recording: a step from an empty cache reaches the same reserve as the steady state (one H200, session 15:
+    bench/results/memory_experiments_session15.txt), and every growth then shows with the request that caused it."""
     import torch
 
     from llm_training.trainer.memory_peak import format_peak_breakdown, peak_breakdown
 
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     try:
         step(index)
@@ -644,8 +649,9 @@ def main(argv=None) -> int:
         default="expandable_segments:True",
         help="PYTORCH_CUDA_ALLOC_CONF of every case (default: what torchtitan's run_train.sh sets)",
     )
-    p.add_argument("--memory-snapshot", action="store_true", help="one more step per case under the CUDA "
-                   "allocator's history: allocated / reserved peaks and what was live at the peak, by code line")  # fmt: skip
+    p.add_argument("--memory-snapshot", action="store_true", help="one more step per case, from an emptied cache, "
+                   "under the CUDA allocator's history: allocated / reserved peaks, what was live at the peak and "
+                   "what made the reserve grow, by code line")  # fmt: skip
     p.add_argument("--warm-restart", action="store_true", help="run each compiled case once more over the compile "
                    "caches of its first run (a restarted run): first-step time with warm caches")  # fmt: skip
     p.add_argument("--out", default=str(BENCH_DIR / "results" / "bench_vs_torchtitan.json"))

@@ -1,6 +1,6 @@
 """trainer/memory_peak.py on a hand-built allocator snapshot: allocated and reserved replayed from the end state,
-their peaks, the reserved-but-unused gap there, and the live blocks at the allocated peak grouped by the code that
-allocated them."""
+their peaks, the reserved-but-unused gap there, the live blocks at the allocated peak grouped by the code that
+allocated them, and the reserve's growths by the allocation that did not fit."""
 
 import pytest
 
@@ -71,3 +71,34 @@ def test_a_snapshot_without_history_reports_the_end_state():
     report = peak_breakdown(snap)
     assert report["events"] == 0 and report["allocated_gib"]["peak"] == pytest.approx(11)
     assert report["at_allocated_peak"][0]["gib"] == pytest.approx(11) and len(report["at_allocated_peak"]) == 1
+
+
+def test_reserve_growth_by_the_allocation_that_did_not_fit():
+    report = peak_breakdown(_snapshot())
+    assert report["unused_at_allocated_peak_gib"] == pytest.approx(16 - 15)
+    growth = report["reserve_growth"]
+    assert growth["gib"] == pytest.approx(4) and growth["growths"] == 1
+    assert growth["by_site"] == [  # the 4 GiB mapped for the first MoE block, while 12 - 10 = 2 GiB sat free
+        {"site": "/repo/llm_training/layers/moe.py:88 dispatch", "gib": pytest.approx(4), "growths": 1,
+         "request_gib": pytest.approx(2), "free_gib": pytest.approx(2)}
+    ]  # fmt: skip
+    text = format_peak_breakdown(report)
+    assert "reserve grew by 4.00 GiB in 1 growths" in text
+    assert "4.00 GiB in 1 growths  /repo/llm_training/layers/moe.py:88 dispatch  (request 2.00 GiB, free 2.00" in text
+
+
+def test_fragmented_growths_and_one_at_the_end():
+    """Two growths for the logits while 3 GiB were free in pieces, and one mapped after the last allocation."""
+    snap = _snapshot()
+    events = snap["device_traces"][0]
+    events[3:3] = [_event("segment_map", 2000, 1), _event("segment_map", 3000, 1)]  # before the logits' alloc
+    events.append(_event("segment_map", 4000, 1))
+    snap["segments"][0]["total_size"] += int(3 * GIB)
+    growth = peak_breakdown(snap)["reserve_growth"]
+    assert growth["gib"] == pytest.approx(7) and growth["growths"] == 4
+    by_site = {g["site"]: g for g in growth["by_site"]}
+    logits = by_site["/repo/llm_training/trainer/losses.py:40 chunked_ce"]
+    assert (logits["gib"], logits["growths"], logits["request_gib"]) == (pytest.approx(2), 2, pytest.approx(2))
+    assert logits["free_gib"] == pytest.approx(16 - 13 + 1)  # 3 GiB free before the first map, 4 before the second
+    assert by_site["(no allocation after it)"]["growths"] == 1
+    assert [g["site"] for g in growth["by_site"]][0] == "/repo/llm_training/layers/moe.py:88 dispatch"  # most first
