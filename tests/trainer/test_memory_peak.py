@@ -101,4 +101,4 @@ def test_fragmented_growths_and_one_at_the_end():
     assert (logits["gib"], logits["growths"], logits["request_gib"]) == (pytest.approx(2), 2, pytest.approx(2))
     assert logits["free_gib"] == pytest.approx(16 - 13 + 1)  # 3 GiB free before the first map, 4 before the second
     assert by_site["(no allocation after it)"]["growths"] == 1
-    assert [g["site"] for g in growth["by_site"]][0] == "/repo/llm_training/layers/moe.py:88 dispatch"  # most first
+    assert growth["by_site"][0]["site"] == "/repo/llm_training/layers/moe.py:88 dispatch"  # most first
