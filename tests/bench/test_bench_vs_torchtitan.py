@@ -184,13 +184,22 @@ def test_warm_restart_reruns_a_compiled_case_over_the_caches_of_its_first_run(tm
     row["memory_peak"] = {
         "events": 3, "allocated_gib": {"start": 50.0, "peak": 90.0, "end": 50.0},
         "reserved_gib": {"start": 100.0, "peak": 110.0, "end": 110.0}, "unused_at_reserved_peak_gib": 8.0,
+        "unused_at_allocated_peak_gib": 3.0,
         "at_allocated_peak": [{"site": "(allocated before the recording)", "gib": 50.0, "blocks": None},
                               {"site": "llm_training/layers/moe.py:88 dispatch", "gib": 40.0, "blocks": 7}],
         "other_sites_gib": 0.0,
+        "reserve_growth": {"gib": 10.0, "growths": 2, "by_site": [
+            {"site": "llm_training/trainer/losses.py:96 forward", "gib": 10.0, "growths": 2, "request_gib": 2.0,
+             "free_gib": 6.5}]},
     }  # fmt: skip
     table = bvt.format_table([row], [])
     assert "memory over one more step:" in table and "reserved but unused at the reserved peak 8.00 GiB" in table
+    assert "at the allocated peak 3.00 GiB" in table
     assert "40.00 GiB in 7 blocks  llm_training/layers/moe.py:88 dispatch" in table
+    assert "reserve grew by 10.00 GiB in 2 growths" in table
+    assert (
+        "10.00 GiB in 2 growths  llm_training/trainer/losses.py:96 forward  (request 2.00 GiB, free 6.50 GiB)" in table
+    )
     row["peak_alloc_gib_after_step"], row["peak_reserved_gib_after_step"] = [90.0, 95.5], [110.0, 112.25]
     assert "peak allocated/reserved GiB after each step: 90.0/110.0 95.5/112.2" in bvt.format_table([row], [])
     calls.clear()
