@@ -54,7 +54,8 @@ def allocation_site(frames: list[dict]) -> str:
 
 def peak_breakdown(snapshot: dict, device: int = 0, top: int = 12) -> dict:
     """Allocated and reserved GiB at the start, peak and end of the recording on `device`, the gap between them at
-    the reserved peak, and the `top` allocation sites live at the allocated peak (module docstring)."""
+    the reserved and at the allocated peak, the `top` allocation sites live at the allocated peak, and the reserve's
+    growths by the `top` sites of the allocations that did not fit (module docstring)."""
     segments = [s for s in snapshot.get("segments", []) if s.get("device", 0) == device]
     end_reserved = sum(s["total_size"] for s in segments)
     end_allocated = sum(b["size"] for s in segments for b in s.get("blocks", []) if b["state"] == "active_allocated")
