@@ -614,7 +614,7 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
             lines.append(f"{r['case']:<36}peak allocated/reserved GiB after each step: {marks}")
     for r in rows:
         if r.get("memory_peak"):
-            lines.append(f"{r['case']:<36}memory over one more step:")
+            lines.append(f"{r['case']:<36}memory over one more step, from an emptied cache:")
             lines += [f"    {line}" for line in format_peak_breakdown(r["memory_peak"]).splitlines()]
     for r in rows:
         streams = r.get("reserved_by_stream")
