@@ -40,6 +40,7 @@ from bench_train import random_batch
 from llm_training.config import ConfigManager
 from llm_training.config.job_config import PACKAGE_DIR
 from llm_training.distributed import ParallelDims
+from llm_training.distributed.compile import compile_stats, reset_compile_stats
 from llm_training.distributed.utils import destroy_process_group, setup_distributed
 from llm_training.dry_run import measure_rank
 from llm_training.motif import get_flavor
@@ -48,7 +49,7 @@ from llm_training.trainer import Trainer
 GIB = 2**30
 
 
-def job_config(flavor, seq_len, ac, device, backend, steps, dump, gpu_gib, cp=1, cp_mode="ulysses"):
+def job_config(flavor, seq_len, ac, device, backend, steps, dump, gpu_gib, cp=1, cp_mode="ulysses", compile=False):
     bf16 = device != "cpu"
     return ConfigManager().parse_args([
         "--job.config_file", str(PACKAGE_DIR / "motif" / "train_configs" / "debug_cpu.toml"),
@@ -58,7 +59,7 @@ def job_config(flavor, seq_len, ac, device, backend, steps, dump, gpu_gib, cp=1,
         "--training.local_batch_size=1", f"--training.steps={steps}", "--checkpoint.enable=false",
         f"--activation_checkpoint.mode={ac}", "--metrics.save_jsonl=false", "--lr_scheduler.warmup_steps=1",
         f"--job.dry_run_gpu_memory_gib={gpu_gib}", f"--parallelism.context_parallel_degree={cp}",
-        f"--parallelism.context_parallel_mode={cp_mode}",
+        f"--parallelism.context_parallel_mode={cp_mode}", f"--compile.enable={'true' if compile else 'false'}",
     ])  # fmt: skip
 
 
@@ -80,7 +81,7 @@ def train(cfg, warmup: int, steps: int) -> dict:
     device, _ = setup_distributed(t.device, dims)
     # each length compiles anew: the compiled FlexAttention variants of earlier lengths (2 windows x with/without
     # max logits each) would reach dynamo's recompile limit, after which FlexAttention runs unfused ([S, S] scores)
-    torch._dynamo.reset()
+    reset_compile_stats()
     trainer = Trainer(cfg, dims, device)
     gen = torch.Generator().manual_seed(0)
     cuda = device.type == "cuda"
@@ -105,6 +106,9 @@ def train(cfg, warmup: int, steps: int) -> dict:
         raise RuntimeError(f"non-finite CE losses {losses}")
     step_s = statistics.median(times)
     row = {"step_s": step_s, "tokens_per_s": t.seq_len / step_s, "ce_losses": losses}
+    if cfg.compile.enable:  # what dynamo compiled: a graph break in a checkpointed block runs that block eagerly
+        stats = compile_stats()
+        row.update({k: stats[k] for k in ("unique_graphs", "graph_breaks", "graph_break_reasons")})
     if cuda:  # why backend auto did not run flash-attn-4 (None: it did), as the process saw it after the steps
         from llm_training.layers.attention.fa4 import fa4_unavailable_reason
 
@@ -133,6 +137,10 @@ def main(argv=None) -> int:
         "--cp", type=int, default=1, help="context-parallel degree (run under torchrun with this many processes)"
     )
     p.add_argument("--cp-mode", default="ulysses", choices=("ulysses", "ring"))
+    p.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=None,
+        help="torch.compile the blocks, as the SFT example does (default: on for cuda, off for the CPU logic test)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=3, help="timed steps per length")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gpu-gib", type=float, default=139.0, help="GPU memory the estimate is checked against")
@@ -149,16 +157,27 @@ def main(argv=None) -> int:
     if world != a.cp:
         p.error(f"--cp {a.cp} needs {a.cp} processes (torchrun --nproc_per_node {a.cp}); this run has {world}")
     seq_lens = [int(s) for s in a.seq_lens.split(",")]
+    compile = a.device == "cuda" if a.compile is None else a.compile
     cfgs = {
         S: job_config(
-            a.flavor, S, a.ac, a.device, a.attention_backend, a.warmup + a.steps, a.dump, a.gpu_gib, a.cp, a.cp_mode
+            a.flavor,
+            S,
+            a.ac,
+            a.device,
+            a.attention_backend,
+            a.warmup + a.steps,
+            a.dump,
+            a.gpu_gib,
+            a.cp,
+            a.cp_mode,
+            compile,
         )  # fmt: skip
         for S in seq_lens
     }
     rows = []
     for S in seq_lens:  # every estimate first: the dry run needs a process without a process group
         row = {"flavor": a.flavor, "seq_len": S, "ac": a.ac, "attention_backend": a.attention_backend, "cp": a.cp,
-               "cp_mode": a.cp_mode if a.cp > 1 else None}  # fmt: skip
+               "cp_mode": a.cp_mode if a.cp > 1 else None, "compile": compile}  # fmt: skip
         try:
             row.update(estimate(cfgs[S]))
         except Exception as e:  # noqa: BLE001 - a failing estimate must not hide the measurement
@@ -186,7 +205,10 @@ def main(argv=None) -> int:
         return 0 if ok else 1
     gpu = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     layout = f"context parallel {a.cp} ({a.cp_mode})" if a.cp > 1 else "one device"
-    print(f"device: {gpu}; flavor {a.flavor}, AC {a.ac}, attention {a.attention_backend}, batch 1, {layout}")
+    print(
+        f"device: {gpu}; flavor {a.flavor}, AC {a.ac}, attention {a.attention_backend}, batch 1, {layout}, "
+        f"{'compiled' if compile else 'eager'}"
+    )
     print(f"{'seq':>8}{'s/step':>9}{'tok/s':>9}{'peak GiB':>10}{'est GiB':>9}{'est act':>9}  status")
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
     for r in rows:
@@ -196,6 +218,7 @@ def main(argv=None) -> int:
             f"{fmt(r.get('estimate_activation_peak_gib'), '.1f'):>9}  {r['status']}"
             + (f" (estimate: {r['estimate_error']})" if "estimate_error" in r else "")
             + (f" (no flash-attn-4: {r['fa4_unavailable_reason']})" if r.get("fa4_unavailable_reason") else "")
+            + (f" ({r['graph_breaks']} graph breaks: {r['graph_break_reasons']})" if r.get("graph_breaks") else "")
         )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"device": gpu, "cp": a.cp, "rows": rows}, indent=2))

@@ -28,6 +28,7 @@ _SAVE_OPS = {
     "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_cudnn_attention.default",
     "aten._scaled_dot_product_flash_attention_for_cpu.default", "aten._flash_attention_forward.default",
     "aten._efficient_attention_forward.default",
+    "llm_training.fa4_fwd.default",  # flash-attn-4 (layers/attention/fa4.py): out and lse
     "_c10d_functional.all_to_all_single.default",  # expert / Ulysses all-to-alls: not re-run in the backward
 }  # fmt: skip
 

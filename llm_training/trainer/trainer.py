@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from llm_training.config import grad_accumulation_steps, to_toml
-from llm_training.distributed.compile import compile_progress
+from llm_training.distributed.compile import compile_progress, compile_report, compile_stats
 from llm_training.distributed.context_parallel import shard_batch
 from llm_training.distributed.utils import all_reduce_, clip_grad_norm_, rank, world_size
 from llm_training.model_spec import StepStat
@@ -520,6 +520,11 @@ class Trainer:
                         f"out of memory at step {step}: {OOM_HINT}. Original error: {e}"
                     ) from e
                 rec.step_time_s = time.perf_counter() - t0
+                if compiling:
+                    line, warning = compile_report(compile_stats())
+                    logger.info(line)
+                    if warning:
+                        logger.warning(warning)
                 losses[step] = float("nan") if rec.skipped else rec.loss
                 metrics.record(rec)
                 if rec.spike:

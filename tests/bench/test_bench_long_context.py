@@ -20,9 +20,16 @@ def test_long_context_bench_trains_and_estimates_on_cpu(tmp_path):
     assert [r["seq_len"] for r in rows] == [32]
     for r in rows:
         assert r["status"] == "ok" and r["ac"] == "long_context", r
+        assert r["compile"] is False and "graph_breaks" not in r, r  # the CPU logic test runs eagerly by default
         assert r["tokens_per_s"] > 0 and len(r["ce_losses"]) == 1 and r["peak_gib"] is None
         assert 0 < r["estimate_activation_peak_gib"] < r["estimate_total_gib"] and r["estimate_fits"]
     assert not dist.is_initialized()  # the bench's process group is gone: later dry runs in this process work
+
+
+def test_long_context_bench_compiles_as_the_sft_example_does_when_asked(tmp_path):
+    args = ("motif3_debug", 64, "long_context", "cpu", "auto", 2, tmp_path, 139.0)
+    assert bench_long_context.job_config(*args, compile=True).compile.enable
+    assert not bench_long_context.job_config(*args).compile.enable
 
 
 def _cp_rank(rank, port, tmp):

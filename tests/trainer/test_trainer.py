@@ -286,3 +286,28 @@ def test_each_step_counts_its_real_tokens(make_config):
         assert labelled < rec.real_tokens < rec.tokens  # padding excluded; every document has unlabelled tokens
     lines = [json.loads(x) for x in result.metrics_path.read_text().splitlines()]
     assert 0 < lines[-1]["packing_efficiency"] < 1
+
+
+def test_first_step_logs_what_compile_did_and_warns_on_graph_breaks(make_config, monkeypatch, caplog):
+    """With [compile] enable, the first step of the run (only it) logs what dynamo compiled, and a warning naming
+    the reasons when a graph broke (a break inside a checkpointed block runs the whole block eagerly). Dynamo's
+    counters are stood in for here: the compile itself is tested in tests/distributed/test_compile.py."""
+    from llm_training.motif import parallelize
+    from llm_training.trainer import trainer as trainer_module
+
+    stats = {
+        "compiled_frames": 3, "unique_graphs": 1, "graph_breaks": 2, "recompiles": 1, "guard_failures": [],
+        "compile_time_s": {"total_forward_s": 1.5, "total_backward_s": 0.5},
+        "graph_break_reasons": ["2x Skip calling `torch.compiler.disable()`d function"],
+    }  # fmt: skip
+    monkeypatch.setattr(parallelize, "apply_compile", lambda blocks: None)
+    monkeypatch.setattr(trainer_module, "compile_stats", lambda: stats)
+    with caplog.at_level("INFO"):
+        train(make_config("--compile.enable", "--training.steps=2", "--checkpoint.interval=2"), DIMS, CPU)
+    lines = [r for r in caplog.records if r.getMessage().startswith("[compile] ")]
+    assert [r.levelname for r in lines] == ["INFO", "WARNING"], [r.getMessage() for r in lines]
+    assert lines[0].getMessage() == (
+        "[compile] first step: 1 graphs from 3 frames (1 recompiles), 2 graph breaks; forward compile 1.5 s, "
+        "backward 0.5 s"
+    )
+    assert "broke a graph 2 times" in lines[1].getMessage() and "2x Skip calling" in lines[1].getMessage()

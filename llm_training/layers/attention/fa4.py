@@ -16,8 +16,8 @@ which breaks SDPA and varlen on torch 2.11 / 2.13: docs/dependencies.md).
   MHA), "pad_v" keeps the KV heads and zero-pads V to the qk head dim (output sliced back). Measured on the
   H200 at the GDLA shape, B2 S4096, fwd+bwd: expand_kv 6.90 ms vs pad_v 7.88 ms (full causal) and 2.50 ms vs
   2.97 ms (window 128); bench/bench_attention.py re-measures both. Default: expand_kv. The repeated K/V live
-  only inside each kernel call: `_FlashAttn` saves the KV-head K/V for the backward and repeats them again
-  there (n_kv * (d_qk + d_v) per token saved instead of n_h * (d_qk + d_v): 5x less at GDLA's 80 / 16 heads),
+  only inside each kernel call: the custom op `llm_training::fa4_fwd` saves the KV-head K/V for its backward
+  (`fa4_bwd`), which repeats them again (n_kv * (d_qk + d_v) per token saved instead of n_h * (d_qk + d_v): 5x less at GDLA's 80 / 16 heads),
   summing dK/dV back over the copies. Measured on the H200 (session 14): motif3_proxy's peak allocated 107.5 ->
   105.0 GiB per 64K-token step at the same step time; at 256K tokens a recomputed block keeps 10.7 GB less and the
   peak, then set by the loss, fell 80.3 -> 77.8 GiB.
@@ -36,15 +36,22 @@ which breaks SDPA and varlen on torch 2.11 / 2.13: docs/dependencies.md).
   (2026-12-04), the GDLA 192 / 128 runs. `fa4_head_dims_problem` accepts equal head dims or both >= 64 (one
   128-byte swizzle for each); `auto` does not pick FA4 for other shapes, the fa4 backend raises for them.
 
+- torch.compile: the kernels are the custom ops `llm_training::fa4_fwd` / `fa4_bwd`, one opaque node each in a
+  compiled block's graph, so a block compiles without a graph break. That matters most under activation
+  checkpointing: a graph break inside a checkpointed block makes dynamo run the whole block eagerly. Before the
+  custom ops (a torch.compiler.disable call, up to session 15), every compile + AC + fa4 run, i.e. the production
+  configs on the H200 and B200, trained with eager blocks (CPU, emulated kernel: 0 graphs compiled vs 2;
+  tests/distributed/test_compile.py). Selective AC keeps fa4_fwd's outputs, as it keeps the other attention
+  kernels' (`activation_checkpoint._SAVE_OPS`).
+
 Only bf16 / fp16 on CUDA; anything else raises with the alternative named. The package is imported lazily.
 """
-
-from __future__ import annotations
 
 import functools
 from typing import Optional
 
 import torch
+from torch import Tensor
 
 from llm_training.layers.attention.masks import repeat_kv
 
@@ -59,7 +66,7 @@ _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 @functools.cache
 def fa4_import_error() -> Optional[str]:
-    """None when `flash_attn.cute` imports with the kernel functions `_FlashAttn` calls, else why not (cached: the
+    """None when `flash_attn.cute` imports with the kernel functions the fa4 custom ops call, else why not (cached: the
     import is tried once per process)."""
     try:
         from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd  # noqa: F401
@@ -160,52 +167,90 @@ def _sum_kv_copies(dx_THD: torch.Tensor, n_rep: int) -> torch.Tensor:
     return dx_THD if n_rep == 1 else dx_THD.unflatten(-2, (-1, n_rep)).sum(-2)
 
 
-class _FlashAttn(torch.autograd.Function):
-    """flash-attn-4's forward and backward kernels (`flash_attn.cute.interface`, the functions its own autograd
-    Functions call) around K/V whose heads are repeated `n_rep` times for the kernel only: the backward saves the
-    KV-head K/V and repeats them again (module docstring). Returns (out, lse); lse is differentiable (dlse)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale, causal, window_size, cu_seqlens, max_seqlen, n_rep):
-        from flash_attn.cute.interface import _flash_attn_fwd
-
-        out, lse = _flash_attn_fwd(
-            q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), cu_seqlens_q=cu_seqlens,
-            cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale,
-            causal=causal, softcap=0.0, window_size_left=window_size[0], window_size_right=window_size[1],
-            return_lse=True,
-        )[:2]  # fmt: skip
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.args = (scale, causal, window_size, max_seqlen, n_rep)
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        from flash_attn.cute.interface import _flash_attn_bwd
-
-        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        scale, causal, window_size, max_seqlen, n_rep = ctx.args
-        dq, dk, dv = _flash_attn_bwd(
-            q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), out,
-            torch.zeros_like(out) if dout is None else dout, lse, scale, causal, 0.0,
-            window_size_left=window_size[0], window_size_right=window_size[1], cu_seqlens_q=cu_seqlens,
-            cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, dlse=dlse,
-        )[:3]  # fmt: skip
-        return dq, _sum_kv_copies(dk, n_rep), _sum_kv_copies(dv, n_rep), None, None, None, None, None, None
+def _window_size(window: Optional[int]) -> tuple[Optional[int], Optional[int]]:
+    """FA4's (left, right) for our window: None = causal over every earlier key, W = the W keys before and none
+    after (W + 1 with the query's own)."""
+    return (None, None) if window is None else (window, 0)
 
 
-@torch.compiler.disable
-def _flash_attn(q, k, v, *, scale, causal, window_size, cu_seqlens=None, max_seqlen=None, n_rep=1):
-    """flash-attn-4's forward (with its backward: `_FlashAttn`), (out, lse), run eagerly even inside a compiled
-    block: dynamo traced into flash_attn.cute's Python (cython calls, DLPack wrappers, its logger) and broke the
-    graph there instead; on the H200 the compiled motif3_proxy step then had 2386 compiled frames, 25 graphs and 49
-    graph breaks (FlexAttention: 5, 3, 0) and its forward compile took 46-54 s instead of 24 s
-    (bench_vs_torchtitan, session 9). Disabled, the block's graph breaks once, before this call. cu_seqlens given:
-    the varlen kernel over flattened [T, H, D] tokens. The inputs are checked here (device, dtype: a clear error
-    before the import)."""
+# flash-attn-4's forward and backward kernel functions (`flash_attn.cute.interface`, the ones its own autograd
+# Functions call) as the custom ops `llm_training::fa4_fwd` / `fa4_bwd`: torch.compile treats each as one opaque
+# node, so a compiled block keeps attention inside its graph (no graph break, no dynamo trace into flash_attn.cute's
+# Python), and the kernels run eagerly with the real tensors. K/V arrive with their KV heads; the ops repeat them
+# `n_rep` times for the kernel call only, and the backward sums dK/dV back over the copies (module docstring).
+# cu_seqlens given: the varlen kernels over flattened [T, H, D] tokens. (No `from __future__ import annotations` in
+# this module: the op schemas are inferred from the annotations.)
+@torch.library.custom_op("llm_training::fa4_fwd", mutates_args=())
+def _fa4_fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: Optional[int], scale: float,
+    window: Optional[int], n_rep: int,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     _check_inputs(q, v)
-    return _FlashAttn.apply(q, k, v, scale, causal, window_size, cu_seqlens, max_seqlen, n_rep)
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    left, right = _window_size(window)
+    out, lse = _flash_attn_fwd(
+        q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+        max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=window is None, softcap=0.0,
+        window_size_left=left, window_size_right=right, return_lse=True,
+    )[:2]  # fmt: skip
+    return out.contiguous(), lse.contiguous()
+
+
+@_fa4_fwd_op.register_fake
+def _fa4_fwd_fake(q, k, v, cu_seqlens, max_seqlen, scale, window, n_rep):
+    """out [..., Hq, Dv] in q's dtype; lse fp32 [B, Hq, S], or [Hq, T] for varlen (FA4's layouts)."""
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens is not None else (q.shape[0], q.shape[2], q.shape[1])
+    return out, q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("llm_training::fa4_bwd", mutates_args=())
+def _fa4_bwd_op(
+    dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    cu_seqlens: Optional[Tensor], max_seqlen: Optional[int], scale: float, window: Optional[int], n_rep: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    left, right = _window_size(window)
+    dq, dk, dv = _flash_attn_bwd(
+        q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), out, dout, lse, scale, window is None, 0.0,
+        window_size_left=left, window_size_right=right, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+        max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, dlse=dlse,
+    )[:3]  # fmt: skip
+    return dq.contiguous(), _sum_kv_copies(dk, n_rep).contiguous(), _sum_kv_copies(dv, n_rep).contiguous()
+
+
+@_fa4_bwd_op.register_fake
+def _fa4_bwd_fake(dout, dlse, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, window, n_rep):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _fa4_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, scale, window, n_rep = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.args = (max_seqlen, scale, window, n_rep)
+    ctx.set_materialize_grads(False)  # an unused lse's gradient stays None: FA4's backward without the dlse term
+
+
+def _fa4_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    dlse = None if dlse is None else dlse.contiguous()
+    dq, dk, dv = _fa4_bwd_op(dout, dlse, q, k, v, out, lse, cu_seqlens, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_fa4_fwd_op.register_autograd(_fa4_backward, setup_context=_fa4_setup_context)
+
+
+def _flash_attn(q, k, v, *, scale, window, cu_seqlens=None, max_seqlen=None, n_rep=1):
+    """flash-attn-4's (out, lse) through `llm_training::fa4_fwd` (differentiable: `fa4_bwd`; module docstring,
+    torch.compile). Before the custom ops, a torch.compiler.disable function broke each compiled block's graph here
+    (9 breaks and 11 graphs for the compiled motif3_proxy_nomtp step on the H200, session 14); traced by dynamo
+    instead, flash_attn.cute's Python had broken it 49 times (session 9)."""
+    return _fa4_fwd_op(q, k, v, cu_seqlens, max_seqlen, float(scale), window, n_rep)
 
 
 def fa4_attention_lse(
@@ -222,10 +267,8 @@ def fa4_attention_lse(
     visibility of attention_backends (causal, window, metadata's documents via its cu_seqlens)."""
     B, S, Hq, _ = q_BSHD.shape
     k, v, d_v, n_rep = _layout_kv(k_BSKD, v_BSKE, Hq, gqa_layout)
-    window_size = (None, None) if window is None else (window, 0)
-    causal = window is None
     if metadata.document_ids is None:
-        out, lse = _flash_attn(q_BSHD, k, v, scale=scale, causal=causal, window_size=window_size, n_rep=n_rep)
+        out, lse = _flash_attn(q_BSHD, k, v, scale=scale, window=window, n_rep=n_rep)
     else:
         if metadata.cu_seqlens is None:
             raise RuntimeError(
@@ -237,8 +280,7 @@ def fa4_attention_lse(
             k.reshape(B * S, k.shape[2], -1),
             v.reshape(B * S, v.shape[2], -1),
             scale=scale,
-            causal=causal,
-            window_size=window_size,
+            window=window,
             cu_seqlens=metadata.cu_seqlens,
             max_seqlen=metadata.max_seqlen,
             n_rep=n_rep,

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from llm_training.distributed.compile import compile_stats, reset_compile_stats
 from llm_training.layers.attention import fa4
 from llm_training.layers.attention.backends import (
     ATTENTION_BACKENDS,
@@ -18,6 +19,7 @@ from llm_training.layers.attention.backends import (
     reference_attention,
     visibility_mask,
 )
+from tests.fa4_emulation import install_emulated_fa4
 
 
 def _doc_ids(B, S, cuts):
@@ -92,88 +94,9 @@ def test_config_accepts_fa4_and_the_environment_check_names_the_alternative():
         validate_environment(c)
 
 
-# ------------------------------------------------------------------------ CPU emulation of flash_attn.cute
-def _emulated_attention(q, k, v, scale, causal, window_size):
-    """fp32 attention of one sequence q [S, H, D], k [S, Hk, D], v [S, Hk, E] with FA4's documented mask
-    convention (window_size = (left, right): key j visible iff i - left <= j <= i + right; causal: right = 0);
-    returns (out [S, H, E] in q's dtype, lse [H, S])."""
-    S, H, _ = q.shape
-    rep = H // k.shape[1]
-    qf, kf, vf = q.float(), k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
-    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
-    left, right = window_size
-    right = 0 if causal else right
-    visible = torch.ones(S, S, dtype=torch.bool)
-    if left is not None:
-        visible &= j >= i - left
-    if right is not None:
-        visible &= j <= i + right
-    logits = torch.einsum("qhd,khd->hqk", qf, kf) * scale
-    logits = logits.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)
-    out = torch.einsum("hqk,khe->qhe", torch.exp(logits - lse[..., None]), vf)
-    return out.to(q.dtype), lse
-
-
-def _emulated_kernel(q, k, v, scale, causal, window_size, cu_seqlens, max_seqlen):
-    """FA4's (out, lse) layouts: [B, S, H, E] and [B, H, S], or with cu_seqlens (varlen) [T, H, E] and [H, T]."""
-    if cu_seqlens is None:
-        parts = [_emulated_attention(q[b], k[b], v[b], scale, causal, window_size) for b in range(q.shape[0])]
-        return torch.stack([o for o, _ in parts]), torch.stack([s for _, s in parts])
-    assert cu_seqlens.dtype == torch.int32
-    bounds = cu_seqlens.tolist()
-    assert max_seqlen >= max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    parts = [
-        _emulated_attention(q[a:b], k[a:b], v[a:b], scale, causal, window_size) for a, b in zip(bounds[:-1], bounds[1:])
-    ]
-    return torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts], dim=1)
-
-
-def _fake_flash_attn_cute():
-    """flash_attn.cute whose interface's forward and backward kernels (what fa4._FlashAttn calls) are emulated in
-    fp32, the backward by autograd through the emulation; b36's limits kept: the backward rejects GQA with
-    head_dim != head_dim_v."""
-    module = types.ModuleType("flash_attn.cute")
-    interface = types.ModuleType("flash_attn.cute.interface")
-
-    def _flash_attn_fwd(
-        q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None,
-        causal=False, softcap=None, window_size_left=None, window_size_right=None, return_lse=False,
-    ):  # fmt: skip
-        assert cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k and return_lse and softcap == 0.0
-        with torch.no_grad():
-            out, lse = _emulated_kernel(
-                q, k, v, softmax_scale, causal, (window_size_left, window_size_right), cu_seqlens_q, max_seqlen_q
-            )
-        return out, lse, None, None, None
-
-    def _flash_attn_bwd(
-        q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left=None, window_size_right=None,
-        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dlse=None,
-    ):  # fmt: skip
-        if k.shape[-2] != q.shape[-2] and k.shape[-1] != v.shape[-1]:
-            raise RuntimeError("emulated FA4 b36: GQA backward with head_dim != head_dim_v is not supported")
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            o, l = _emulated_kernel(
-                *leaves, softmax_scale, causal, (window_size_left, window_size_right), cu_seqlens_q, max_seqlen_q
-            )
-            outputs, grads = ([o, l], [dout, dlse]) if dlse is not None else ([o], [dout])
-            return torch.autograd.grad(outputs, leaves, grads)
-
-    interface._flash_attn_fwd, interface._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
-    module.interface = interface
-    return module
-
-
 @pytest.fixture
 def emulated_fa4(monkeypatch):
-    package = types.ModuleType("flash_attn")
-    package.cute = _fake_flash_attn_cute()
-    monkeypatch.setitem(sys.modules, "flash_attn", package)
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", package.cute)
-    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", package.cute.interface)
-    monkeypatch.setattr(fa4, "_check_inputs", lambda q, v: None)
+    install_emulated_fa4(monkeypatch)
 
 
 def _reference_lse(q, k, scale, window, docs):
@@ -208,19 +131,25 @@ def test_fa4_glue_matches_reference_on_emulation(emulated_fa4, layout, window, d
 
 
 @pytest.mark.parametrize("docs", [False, True])
-def test_fa4_runs_eagerly_inside_compiled_code(emulated_fa4, docs):
-    """Under torch.compile, flash_attn.cute is called eagerly (never traced by dynamo: its Python broke the graph
-    49 times per step on the H200) and the compiled attention, its max logits and its gradients equal eager's."""
+def test_fa4_is_one_node_of_the_compiled_graph(emulated_fa4, docs):
+    """Under torch.compile (fullgraph: no graph break allowed), flash-attn-4's kernels are opaque custom ops, called
+    with real tensors at run time, never traced (dynamo in flash_attn.cute's Python broke the graph 49 times per
+    step on the H200); the compiled attention, its max logits and its gradients equal eager's, and the backward
+    gets no lse gradient when lse is unused (FA4's backward without the dlse term)."""
     from flash_attn.cute import interface
 
-    compiling = []  # torch.compiler.is_compiling() at each call of the (emulated) forward kernel
-    inner = interface._flash_attn_fwd
+    calls = {"fwd": [], "bwd": []}  # per kernel call: (torch.compiler.is_compiling(), dlse given)
+    inner_fwd, inner_bwd = interface._flash_attn_fwd, interface._flash_attn_bwd
 
-    def spy(*args, **kwargs):
-        compiling.append(torch.compiler.is_compiling())
-        return inner(*args, **kwargs)
+    def spy_fwd(*args, **kwargs):
+        calls["fwd"].append((torch.compiler.is_compiling(), None))
+        return inner_fwd(*args, **kwargs)
 
-    interface._flash_attn_fwd = spy
+    def spy_bwd(*args, **kwargs):
+        calls["bwd"].append((torch.compiler.is_compiling(), kwargs.get("dlse") is not None))
+        return inner_bwd(*args, **kwargs)
+
+    interface._flash_attn_fwd, interface._flash_attn_bwd = spy_fwd, spy_bwd
     torch.manual_seed(2)
     B, S, Hq, Hkv = 2, 9, 4, 2
     leaves = [
@@ -229,17 +158,82 @@ def test_fa4_runs_eagerly_inside_compiled_code(emulated_fa4, docs):
     meta = build_attention_metadata("fa4", _doc_ids(B, S, [5]) if docs else None, [3], B, S, "cpu")
 
     def attention(q, k, v):
-        return get_attention_backend("fa4").kernel(q, k, v, scale=0.3, window=3, metadata=meta, record_max_logits=True)
+        out, mx = get_attention_backend("fa4").kernel(
+            q, k, v, scale=0.3, window=3, metadata=meta, record_max_logits=True
+        )
+        return out.sin(), mx  # an op after the kernel, in the same graph
 
     want, want_mx = attention(*leaves)
     want_grads = torch.autograd.grad(want.square().sum(), leaves)
-    got, got_mx = torch.compile(attention, backend="aot_eager")(*leaves)
+    reset_compile_stats()
+    got, got_mx = torch.compile(attention, backend="aot_eager", fullgraph=True)(*leaves)
     got_grads = torch.autograd.grad(got.square().sum(), leaves)
-    assert len(compiling) == 2 and not any(compiling)
+    stats = compile_stats()
+    reset_compile_stats()
+    assert stats["unique_graphs"] == 1 and stats["graph_breaks"] == 0, stats
+    assert calls == {"fwd": [(False, None)] * 2, "bwd": [(False, False)] * 2}, calls
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_mx, want_mx)
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("mode,forward_calls", [("selective", 1), ("full", 2)])
+def test_selective_checkpointing_keeps_the_fa4_output(emulated_fa4, mode, forward_calls, compiled):
+    """Selective activation checkpointing keeps flash-attn-4's output, as it keeps the other attention kernels' (its
+    forward runs once); full recomputes it in the backward (twice). Eager and compiled alike."""
+    from flash_attn.cute import interface
+
+    from llm_training.distributed.activation_checkpoint import apply_ac
+
+    calls = []
+    inner = interface._flash_attn_fwd
+    interface._flash_attn_fwd = lambda *a, **kw: calls.append(1) or inner(*a, **kw)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 4 * 6 + 2 * 6 + 2 * 4, dtype=torch.float64)
+
+        def forward(self, x_BSH):
+            B, S, _ = x_BSH.shape
+            q, k, v = self.qkv(x_BSH).split([24, 12, 8], dim=-1)
+            out, _ = fa4.fa4_attention(
+                q.view(B, S, 4, 6), k.view(B, S, 2, 6), v.reshape(B, S, 2, 4), scale=0.4, window=None,
+                metadata=AttentionMetadata(), record_max_logits=False,
+            )  # fmt: skip
+            return out.sin().sum()
+
+    block = Block()
+    apply_ac([block], mode)
+    if compiled:
+        block.compile(backend="aot_eager", fullgraph=True)
+    block(torch.randn(2, 5, 8, dtype=torch.float64)).backward()
+    torch._dynamo.reset()
+    assert len(calls) == forward_calls
+
+
+def test_fa4_custom_ops_pass_opcheck(emulated_fa4):
+    """The schema, fake (meta) functions and autograd registration of llm_training::fa4_fwd / fa4_bwd agree with
+    their kernels (torch.library.opcheck), dense and varlen."""
+    torch.manual_seed(4)
+    q = torch.randn(2, 6, 4, 12, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 6, 2, 12, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 6, 2, 8, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 4, 6, 12], dtype=torch.int32)
+    cases = [
+        (q, k, v, None, None, 0.3, None, 2),
+        (q, k, v, None, None, 0.3, 3, 2),
+        (*(x.detach().reshape(12, x.shape[2], -1).requires_grad_() for x in (q, k, v)), cu, 6, 0.3, 3, 2),
+    ]
+    for args in cases:
+        torch.library.opcheck(torch.ops.llm_training.fa4_fwd.default, args)
+        out, lse = torch.ops.llm_training.fa4_fwd(*args)
+        dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+        plain = [x.detach() for x in args[:3]]
+        bwd_args = (dout, dlse, *plain, out.detach(), lse.detach(), *args[3:])
+        torch.library.opcheck(torch.ops.llm_training.fa4_bwd.default, bwd_args)
 
 
 def test_fa4_layouts_give_the_emulated_kernel_a_differentiable_case(emulated_fa4):
@@ -380,7 +374,7 @@ def test_fa4_under_torch_compile():
 
     eager = f(q, k, v)
     eager_grads = torch.autograd.grad(eager.float().sum(), (q, k, v))
-    compiled = torch.compile(f)(q, k, v)
+    compiled = torch.compile(f, fullgraph=True)(q, k, v)  # flash-attn-4 inside the graph: no graph break
     compiled_grads = torch.autograd.grad(compiled.float().sum(), (q, k, v))
     torch.testing.assert_close(compiled, eager)
     for a, b in zip(compiled_grads, eager_grads):
