@@ -41,9 +41,9 @@ class Motif3Output:
 
 
 class TransformerBlock(nn.Module):
-    """One trunk block. forward(x, position_ids, metadata) -> (x, RouterStats or None), where x is the
-    stream tensor [B, S, n, H] with mHC or the plain residual [B, S, H] without, and metadata the forward's
-    AttentionMetadata."""
+    """One trunk block. forward(x, position_ids, metadata) -> (x, RouterStats or None, max_logits fp32 [n_h] or
+    None), where x is the stream tensor [B, S, n, H] with mHC or the plain residual [B, S, H] without, metadata the
+    forward's AttentionMetadata, and max_logits the attention's when recording (GDLAttention)."""
 
     def __init__(
         self,
@@ -105,17 +105,20 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids_BS: torch.Tensor, metadata: Optional[AttentionMetadata] = None):
         if self.mhc_attn is None:
-            x = x + self.self_attn(self.input_layernorm(x), position_ids_BS, metadata)
+            y, max_logits = self.self_attn(self.input_layernorm(x), position_ids_BS, metadata)
+            x = x + y
             y, stats = self._ffn(self.post_attention_layernorm(x))
-            return x + y, stats
+            return x + y, stats, max_logits
         fused = self.mhc_attn.fused_backward
         h_pre, h_post, h_res = self.mhc_attn.coefficients(x)
-        y = self.self_attn(self.input_layernorm(MHC.collapse(x, h_pre, fused=fused)), position_ids_BS, metadata)
+        y, max_logits = self.self_attn(
+            self.input_layernorm(MHC.collapse(x, h_pre, fused=fused)), position_ids_BS, metadata
+        )
         mid = StreamSource(x, h_res, h_post, y)  # the mid-block stream is rebuilt from this in backward
         x = MHC.update(*mid, fused=fused)
         h_pre, h_post, h_res = self.mhc_ffn.coefficients(x, mid)
         y, stats = self._ffn(self.post_attention_layernorm(MHC.collapse(x, h_pre, mid, fused)))
-        return MHC.update(x, h_res, h_post, y, mid, fused), stats
+        return MHC.update(x, h_res, h_post, y, mid, fused), stats, max_logits
 
 
 class Motif3Model(nn.Module):
@@ -161,11 +164,11 @@ class Motif3Model(nn.Module):
             mtp.init_weights()
 
     def set_record_max_logits(self, flag: bool) -> None:
-        """Record per-head max logits (`attn.max_logits`, fp32 [n_h]) on every forward, for QK-clip."""
+        """Record per-head max logits (fp32 [n_h] per attention layer, `Motif3Output.max_logits`) on every forward,
+        for QK-clip."""
         for module in self.modules():
             if isinstance(module, GDLAttention):
                 module.record_max_logits = bool(flag)
-                module.max_logits = None
 
     def set_mhc_progress(self, progress: float) -> None:
         """h_post coefficient schedule: alpha = start + (end - start) * progress, progress in [0, 1]
@@ -217,9 +220,10 @@ class Motif3Model(nn.Module):
         x = embedded
         if self.args.mhc_enabled:  # copy the embedding into n streams: [B, S, n, H]
             x = embedded.unsqueeze(2).expand(B, S, self.args.mhc_expansion_rate, -1).contiguous()
-        router_stats = []
+        router_stats, max_logits = [], []
         for layer in self.layers:
-            x, stats = layer(x, position_ids, metadata)
+            x, stats, layer_max_logits = layer(x, position_ids, metadata)
+            max_logits.append(layer_max_logits)
             if stats is not None:
                 router_stats.append(stats)
         if self.args.mhc_enabled:
@@ -229,14 +233,12 @@ class Motif3Model(nn.Module):
         mtp_hidden = []
         h = hidden if self.args.mtp_feeds_post_norm_hidden else x
         for mtp, ids in zip(self.mtp_layers, mtp_input_ids, strict=True):
-            h = mtp(h, self.embed_tokens(ids), position_ids, metadata)
+            h, layer_max_logits = mtp(h, self.embed_tokens(ids), position_ids, metadata)
+            max_logits.append(layer_max_logits)
             mtp_hidden.append(h)
 
         losses = [s.balance_loss for s in router_stats if s.balance_loss is not None]
         balance_loss = torch.stack(losses).sum() if losses else torch.zeros((), device=hidden.device)
-        max_logits = None
-        if any(m.record_max_logits for m in self._attention):
-            max_logits = [m.max_logits for m in self._attention]
         return Motif3Output(
             logits=None if return_hidden else self.lm_head(hidden),
             hidden=hidden,
@@ -244,5 +246,5 @@ class Motif3Model(nn.Module):
             mtp_hidden=mtp_hidden,
             router_stats=router_stats,
             balance_loss=balance_loss,
-            max_logits=max_logits,
+            max_logits=max_logits if any(m is not None for m in max_logits) else None,
         )

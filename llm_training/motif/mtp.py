@@ -59,12 +59,14 @@ class MTPModule(nn.Module):
         embedded_BSH: torch.Tensor,
         position_ids_BS: torch.Tensor,
         metadata: Optional[AttentionMetadata] = None,
-    ) -> torch.Tensor:
-        """hidden: the previous hidden at position i; embedded: embed(t_{i+k+1}). Returns final-normed [B, S, H]."""
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """hidden: the previous hidden at position i; embedded: embed(t_{i+k+1}). Returns (final-normed [B, S, H],
+        the attention's max logits fp32 [n_h] when recording, else None)."""
         x = self.input_proj(torch.cat([hidden_BSH, self.embed_norm(embedded_BSH)], dim=-1))
-        x = x + self.self_attn(self.input_layernorm(x), position_ids_BS, metadata)
+        y, max_logits = self.self_attn(self.input_layernorm(x), position_ids_BS, metadata)
+        x = x + y
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return self.final_layernorm(x)
+        return self.final_layernorm(x), max_logits
 
 
 def mtp_inputs(input_ids_BS: torch.Tensor, num_mtp: int) -> list[torch.Tensor]:

@@ -60,9 +60,11 @@ def test_identical_blocks_compile_once_and_match_eager():
 @pytest.mark.parametrize("mode", ["full", "selective", "long_context"])
 def test_checkpointed_blocks_compile_whole_with_flash_attn_4(mode, monkeypatch):
     """Under activation checkpointing every block still compiles as one graph per kind of block, with the fa4
-    backend too (emulated here): a graph break inside a checkpointed region makes dynamo skip the whole block, so
-    before fa4 became a custom op, every production config (full / long_context AC, fa4 on the H200 and B200) ran
-    its blocks eagerly with compile on. Loss and gradients equal the eager model's."""
+    backend too (emulated here) and on the steps that record max logits for QK-clip. A graph break inside a
+    checkpointed region makes dynamo skip the whole block: before fa4 became a custom op and the max logits a
+    block output instead of a module attribute (a side effect), every production config (full / long_context
+    AC, fa4 on the H200 and B200, QK-clip on) ran its blocks eagerly with compile on. Loss, gradients and max
+    logits equal the eager model's."""
     from llm_training.distributed.activation_checkpoint import apply_ac
     from tests.fa4_emulation import install_emulated_fa4
 
@@ -74,13 +76,22 @@ def test_checkpointed_blocks_compile_whole_with_flash_attn_4(mode, monkeypatch):
     apply_ac(blocks(compiled), mode)
     apply_compile(blocks(compiled), backend="aot_eager")
     ids = torch.randint(0, ARGS.vocab_size, (2, 32))
-    loss_c = _loss(compiled, ids)
-    loss_c.backward()
+    for record in (False, True):
+        outs = {}
+        for name, model in (("compiled", compiled), ("eager", eager)):
+            model.set_record_max_logits(record)
+            out = model(ids)
+            out.logits.float().logsumexp(-1).mean().backward()
+            outs[name] = out
+        torch.testing.assert_close(outs["compiled"].logits, outs["eager"].logits, rtol=1e-5, atol=1e-6)
+        if record:
+            for got, want in zip(outs["compiled"].max_logits, outs["eager"].max_logits, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        else:
+            assert outs["compiled"].max_logits is None
     stats = compile_stats()
-    assert stats["unique_graphs"] == 2 and stats["graph_breaks"] == 0, stats  # full and sliding blocks
-    loss_e = _loss(eager, ids)
-    loss_e.backward()
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+    # full and sliding blocks, each with and without recording (the record flag is a guard): 4 graphs, no break
+    assert stats["unique_graphs"] == 4 and stats["graph_breaks"] == 0, stats
     for (name, p_c), (_, p_e) in zip(compiled.named_parameters(), eager.named_parameters(), strict=True):
         torch.testing.assert_close(p_c.grad, p_e.grad, rtol=1e-4, atol=1e-6, msg=name)
 

@@ -25,7 +25,11 @@ from llm_training.layers.attention.rope import RotaryEmbedding, apply_rope_inter
 
 class GDLAttention(nn.Module):
     """One GDLA layer. `sliding` selects the window (args.sliding_window) vs causal full attention; the
-    caller passes the matching RoPE table and softmax scale (args.softmax_scale for the trunk)."""
+    caller passes the matching RoPE table and softmax scale (args.softmax_scale for the trunk).
+    forward(x, position_ids, metadata) -> (y [B, S, H], max_logits: fp32 [n_h] when `record_max_logits`, else
+    None). The max logits are an output, never module state: an attribute set inside a compiled,
+    activation-checkpointed block is a side effect dynamo cannot keep in the checkpoint's graph, so it breaks the
+    graph and runs the whole block eagerly (tests/distributed/test_compile.py)."""
 
     def __init__(
         self, args, *, sliding: bool, softmax_scale: float, rope: RotaryEmbedding, attention_backend: str = "auto"
@@ -44,7 +48,6 @@ class GDLAttention(nn.Module):
         self.kernel = get_attention_backend(attention_backend).kernel
         self.init_std, self.lambda_init, self.gate_init = args.initializer_range, args.lambda_init, args.gate_init
         self.record_max_logits = False
-        self.max_logits: Optional[torch.Tensor] = None  # [n_h] fp32 after a recording forward
 
         self.wq_a = nn.Linear(H, args.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
@@ -75,9 +78,10 @@ class GDLAttention(nn.Module):
 
     def forward(
         self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor, metadata: Optional[AttentionMetadata] = None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """`metadata`: the forward's shared AttentionMetadata (document ids, prebuilt masks); None when the
-        layer runs on its own (one document per row), in which case it builds its own."""
+        layer runs on its own (one document per row), in which case it builds its own. Returns (y, max_logits)
+        (class docstring)."""
         B, S, _ = x_BSH.shape
         if metadata is None:
             metadata = build_attention_metadata(
@@ -96,8 +100,9 @@ class GDLAttention(nn.Module):
         k_pe = apply_rope_interleaved(k_pe.unsqueeze(2), cos, sin)  # one shared rope head
         k = torch.cat([k_nope, k_pe.expand(B, S, self.n_kv_heads, self.d_rope)], dim=-1)
 
-        # An activation-checkpoint recompute runs this forward again inside the backward, on the same inputs:
-        # the max logits recorded by the first forward stand, and the side pass is not paid twice.
+        # An activation-checkpoint recompute runs this forward again inside the backward, on the same inputs: the
+        # max logits of the first forward stand (the recompute's outputs are dropped), and the side pass is not
+        # paid twice.
         record = self.record_max_logits and not _in_backward()
         out, max_logits = self.kernel(
             q,
@@ -108,15 +113,14 @@ class GDLAttention(nn.Module):
             metadata=metadata,
             record_max_logits=record,
         )
-        if record:
-            self.max_logits = max_logits.detach().float()
+        max_logits = max_logits.detach().float() if record else None
 
         lam = torch.sigmoid(self.lambda_proj(x_BSH))  # fp32 [B, S, n_sig]
         gate_logits = self.wq_b_gate(c_q) if self.wq_b_gate is not None else None
         y = grouped_differential(
             out.view(B, S, self.n_noise, self.r + 1, self.d_v), lam.view(B, S, self.n_noise, self.r), gate_logits
         )
-        return self.wo(y.reshape(B, S, self.n_sig * self.d_v).to(x_BSH.dtype))
+        return self.wo(y.reshape(B, S, self.n_sig * self.d_v).to(x_BSH.dtype)), max_logits
 
 
 def _in_backward() -> bool:

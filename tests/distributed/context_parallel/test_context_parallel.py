@@ -121,7 +121,7 @@ class _TwoLayers(torch.nn.Module):
 
     def forward(self, x, positions, docs):
         metadata = AttentionMetadata(document_ids=docs)
-        return self.sliding(self.full(x, positions, metadata), positions, metadata)
+        return self.sliding(self.full(x, positions, metadata)[0], positions, metadata)[0]
 
 
 def _layer_case(group, rank, cp, mode):
