@@ -16,8 +16,9 @@ backend `auto` (flash-attn-4 on SM90 / SM100 when installed). Each row: median s
 timed steps, the peak allocated CUDA memory (torch.cuda.max_memory_allocated, reset before the first step) and
 the dry-run estimate for the same config (dry_run.measure_rank: parameters, gradients, optimizer state, FSDP
 transients and the activation peak). On CUDA the blocks are compiled (`--no-compile`: eager), as the SFT example
-does; each row then records how many graphs dynamo compiled and any graph break. The dry run runs first, for every length, in this process (it needs no
-process group); a length whose estimate exceeds --gpu-gib is still tried (the estimate is what is checked).
+does; each row then records how many graphs dynamo compiled and any graph break. The dry run runs first, for every
+length, in this process (it needs no process group); a length whose estimate exceeds --gpu-gib is still tried (the
+estimate is what is checked).
 With --stop-on-oom (default) the lengths after the first out-of-memory one are reported as skipped.
 Writes JSON (--out).
 """

@@ -17,10 +17,10 @@ which breaks SDPA and varlen on torch 2.11 / 2.13: docs/dependencies.md).
   H200 at the GDLA shape, B2 S4096, fwd+bwd: expand_kv 6.90 ms vs pad_v 7.88 ms (full causal) and 2.50 ms vs
   2.97 ms (window 128); bench/bench_attention.py re-measures both. Default: expand_kv. The repeated K/V live
   only inside each kernel call: the custom op `llm_training::fa4_fwd` saves the KV-head K/V for its backward
-  (`fa4_bwd`), which repeats them again (n_kv * (d_qk + d_v) per token saved instead of n_h * (d_qk + d_v): 5x less at GDLA's 80 / 16 heads),
-  summing dK/dV back over the copies. Measured on the H200 (session 14): motif3_proxy's peak allocated 107.5 ->
-  105.0 GiB per 64K-token step at the same step time; at 256K tokens a recomputed block keeps 10.7 GB less and the
-  peak, then set by the loss, fell 80.3 -> 77.8 GiB.
+  (`fa4_bwd`), which repeats them again (n_kv * (d_qk + d_v) per token saved instead of n_h * (d_qk + d_v): 5x
+  less at GDLA's 80 / 16 heads) and sums dK/dV back over the copies. Measured on the H200 (session 14):
+  motif3_proxy's peak allocated 107.5 -> 105.0 GiB per 64K-token step at the same step time; at 256K tokens a
+  recomputed block keeps 10.7 GB less and the peak, then set by the loss, fell 80.3 -> 77.8 GiB.
   Equal head dims use FA4's native GQA (pack_gqa) with no copy.
 - log-sum-exp: `fa4_attention_lse` returns it too (natural log, fp32 [B, Hq, S]), differentiable (FA4's
   backward takes dlse), which is what ring attention merges.
@@ -66,8 +66,8 @@ _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 @functools.cache
 def fa4_import_error() -> Optional[str]:
-    """None when `flash_attn.cute` imports with the kernel functions the fa4 custom ops call, else why not (cached: the
-    import is tried once per process)."""
+    """None when `flash_attn.cute` imports with the kernel functions the fa4 custom ops call, else why not (cached:
+    the import is tried once per process)."""
     try:
         from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd  # noqa: F401
     except Exception as e:  # ImportError, or a CUDA / DSL initialisation error of the package
