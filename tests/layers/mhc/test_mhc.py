@@ -95,8 +95,8 @@ def test_identity_like_mhc_block_is_plain_prenorm_residual():
             mhc.bias_res.fill_(-1e4).fill_diagonal_(0.0)
     x = torch.randn(2, 9, base.hidden_size)
     pos = torch.arange(9).expand(2, 9)
-    want, _ = plain(x, pos)
-    got, _ = hc(x.unsqueeze(2).expand(2, 9, n, base.hidden_size).contiguous(), pos)
+    want, _, _ = plain(x, pos)
+    got, _, _ = hc(x.unsqueeze(2).expand(2, 9, n, base.hidden_size).contiguous(), pos)
     for i in range(n):
         torch.testing.assert_close(got[:, :, i], want, atol=1e-5, rtol=1e-5)
 
