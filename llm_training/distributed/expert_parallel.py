@@ -112,7 +112,9 @@ class _AllToAllRoute:
 class AllToAllDispatcher(ExpertDispatcher):
     """Counts all-to-all, then one variable-split all-to-all of the rows each way
     (`torch.distributed._functional_collectives.all_to_all_single_autograd`: its backward is the
-    reverse all-to-all). One device-to-host copy of the split sizes per call."""
+    reverse all-to-all). One device-to-host copy of the split sizes per call; under torch.compile that copy
+    breaks the block's graph (a data-dependent `.tolist()`), and under activation checkpointing the whole MoE
+    block then runs eagerly (README, Status)."""
 
     def __init__(self, group) -> None:
         self.group = group
