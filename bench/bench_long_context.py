@@ -51,7 +51,7 @@ from llm_training.trainer import Trainer
 GIB = 2**30
 
 
-def job_config(flavor, seq_len, ac, device, backend, steps, dump, gpu_gib, cp=1, cp_mode="ulysses", compile=False):
+def job_config(flavor, seq_len, ac, device, backend, steps, dump, gpu_gib, cp=1, cp_mode="ulysses", compiled=False):
     bf16 = device != "cpu"
     return ConfigManager().parse_args([
         "--job.config_file", str(PACKAGE_DIR / "motif" / "train_configs" / "debug_cpu.toml"),
@@ -61,7 +61,7 @@ def job_config(flavor, seq_len, ac, device, backend, steps, dump, gpu_gib, cp=1,
         "--training.local_batch_size=1", f"--training.steps={steps}", "--checkpoint.enable=false",
         f"--activation_checkpoint.mode={ac}", "--metrics.save_jsonl=false", "--lr_scheduler.warmup_steps=1",
         f"--job.dry_run_gpu_memory_gib={gpu_gib}", f"--parallelism.context_parallel_degree={cp}",
-        f"--parallelism.context_parallel_mode={cp_mode}", f"--compile.enable={'true' if compile else 'false'}",
+        f"--parallelism.context_parallel_mode={cp_mode}", f"--compile.enable={'true' if compiled else 'false'}",
     ])  # fmt: skip
 
 
@@ -159,27 +159,13 @@ def main(argv=None) -> int:
     if world != a.cp:
         p.error(f"--cp {a.cp} needs {a.cp} processes (torchrun --nproc_per_node {a.cp}); this run has {world}")
     seq_lens = [int(s) for s in a.seq_lens.split(",")]
-    compile = a.device == "cuda" if a.compile is None else a.compile
-    cfgs = {
-        S: job_config(
-            a.flavor,
-            S,
-            a.ac,
-            a.device,
-            a.attention_backend,
-            a.warmup + a.steps,
-            a.dump,
-            a.gpu_gib,
-            a.cp,
-            a.cp_mode,
-            compile,
-        )  # fmt: skip
-        for S in seq_lens
-    }
+    compiled = a.device == "cuda" if a.compile is None else a.compile
+    run = (a.ac, a.device, a.attention_backend, a.warmup + a.steps, a.dump, a.gpu_gib, a.cp, a.cp_mode)
+    cfgs = {S: job_config(a.flavor, S, *run, compiled=compiled) for S in seq_lens}
     rows = []
     for S in seq_lens:  # every estimate first: the dry run needs a process without a process group
         row = {"flavor": a.flavor, "seq_len": S, "ac": a.ac, "attention_backend": a.attention_backend, "cp": a.cp,
-               "cp_mode": a.cp_mode if a.cp > 1 else None, "compile": compile}  # fmt: skip
+               "cp_mode": a.cp_mode if a.cp > 1 else None, "compile": compiled}  # fmt: skip
         try:
             row.update(estimate(cfgs[S]))
         except Exception as e:  # noqa: BLE001 - a failing estimate must not hide the measurement
@@ -209,7 +195,7 @@ def main(argv=None) -> int:
     layout = f"context parallel {a.cp} ({a.cp_mode})" if a.cp > 1 else "one device"
     print(
         f"device: {gpu}; flavor {a.flavor}, AC {a.ac}, attention {a.attention_backend}, batch 1, {layout}, "
-        f"{'compiled' if compile else 'eager'}"
+        f"{'compiled' if compiled else 'eager'}"
     )
     print(f"{'seq':>8}{'s/step':>9}{'tok/s':>9}{'peak GiB':>10}{'est GiB':>9}{'est act':>9}  status")
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731

@@ -160,7 +160,8 @@ def compile_report(stats: dict) -> tuple[str, str | None]:
     """(one line of what dynamo compiled, a warning or None) from `compile_stats()`, for the log after a run's first
     step. The warning: no graph at all (compile is on, but the blocks ran eagerly) or any graph break (a break splits
     a block's graph, and one inside an activation-checkpointed block makes dynamo run that block's whole forward
-    eagerly), with the reasons; the Motif-3 blocks compile without a break on CUDA."""
+    eagerly), with the reasons. The Motif-3 blocks compile without a break on every attention backend; ring / halo
+    context parallelism and the expert-parallel all-to-all still break them (README, Status)."""
     times = stats["compile_time_s"]
     line = (
         f"[compile] first step: {stats['unique_graphs']} graphs from {stats['compiled_frames']} frames "

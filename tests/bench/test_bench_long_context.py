@@ -28,7 +28,7 @@ def test_long_context_bench_trains_and_estimates_on_cpu(tmp_path):
 
 def test_long_context_bench_compiles_as_the_sft_example_does_when_asked(tmp_path):
     args = ("motif3_debug", 64, "long_context", "cpu", "auto", 2, tmp_path, 139.0)
-    assert bench_long_context.job_config(*args, compile=True).compile.enable
+    assert bench_long_context.job_config(*args, compiled=True).compile.enable
     assert not bench_long_context.job_config(*args).compile.enable
 
 

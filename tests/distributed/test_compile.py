@@ -62,9 +62,9 @@ def test_checkpointed_blocks_compile_whole_with_flash_attn_4(mode, monkeypatch):
     """Under activation checkpointing every block still compiles as one graph per kind of block, with the fa4
     backend too (emulated here) and on the steps that record max logits for QK-clip. A graph break inside a
     checkpointed region makes dynamo skip the whole block: before fa4 became a custom op and the max logits a
-    block output instead of a module attribute (a side effect), every production config (full / long_context
-    AC, fa4 on the H200 and B200, QK-clip on) ran its blocks eagerly with compile on. Loss, gradients and max
-    logits equal the eager model's."""
+    block output instead of a module attribute (a side effect), every run with compile, full / long_context AC,
+    fa4 (the H200 and B200) and QK-clip on ran its blocks eagerly. Loss, gradients and max logits equal the eager
+    model's."""
     from llm_training.distributed.activation_checkpoint import apply_ac
     from tests.fa4_emulation import install_emulated_fa4
 
