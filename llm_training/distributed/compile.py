@@ -17,6 +17,7 @@ import contextlib
 import os
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -29,11 +30,62 @@ _RECOMPILE_LIMIT = 16
 
 
 def apply_compile(blocks: list[nn.Module], backend: str = "inductor") -> None:
-    """torch.compile every block's forward in place with `backend` (tests use "aot_eager")."""
-    dynamo_config = torch._dynamo.config
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILE_LIMIT)
+    """torch.compile every block's call in place with `backend` (tests use "aot_eager"): applied AFTER activation
+    checkpointing, so dynamo traces the checkpoint as one higher-order op and the partitioner plans the recompute
+    inside the block's graph. A block must then trace without a graph break: a break inside a checkpoint makes dynamo
+    run that block's whole forward eagerly (blocks that cannot: `compile_in_pieces`)."""
+    _raise_recompile_limit()
     for block in blocks:
         block.compile(backend=backend)
+
+
+def compile_in_pieces(blocks: list[nn.Module], kind: Callable[[nn.Module], str], backend: str = "inductor") -> None:
+    """torch.compile each block's own forward in place with `backend`, BEFORE activation checkpointing wraps it: for
+    blocks holding a part dynamo cannot trace, which breaks their graph. With expert parallelism that is the experts,
+    their own FSDP2 group (FSDP2's hooks are dynamo-disabled) fed by the all-to-all dispatcher (a host copy of the
+    split sizes); with ring / halo context parallelism the attention (`torch.compiler.disable`). The checkpoint then
+    stays outside dynamo, so dynamo splits the forward at each break and compiles the pieces between (attention, mHC,
+    router, shared expert, ...), where `apply_compile`'s order would run these blocks wholly eagerly. What runs
+    between the pieces runs eagerly: the expert-parallel experts whole (dispatch, expert GEMMs, combine:
+    `expert_parallel`, whose row counts change every step), the ring / halo attention. The cost: the recompute is the
+    compiled forward run again, and "selective" checkpointing cannot see into compiled pieces (parallelize_motif keeps
+    it on `apply_compile`'s order).
+
+    A checkpoint's recompute must run the very graphs its forward ran, or the tensors it saves differ
+    (CheckpointError). Two rules make it so:
+      * static shapes only (`dynamic=False`): automatic dynamic shapes would compile a dynamic graph on a frame's
+        second shape and hand later calls, a recompute among them, to it, while the forward had run the static one;
+      * one copy of the forward's code per `kind(block)` (blocks of one kind share it): dynamo caches compiled code
+        per code object, and the graph before a block's first break guards only on what it traced, so that entry of
+        a MoE block (the attention half, cut at the experts) also matches a dense block of the same attention kind;
+        dynamo's most-recently-used ordering of the entries could then run a dense block's recompute through it.
+
+    (torchtitan 0.2.2 meets the experts' hooks by compiling a MoE block's submodules one by one, the experts and
+    dispatch left out; splitting at the breaks keeps our mHC and routing arithmetic, which live in the block's and
+    the MoE's own forward, compiled too.)"""
+    _raise_recompile_limit()
+    forwards: dict[str, types.FunctionType] = {}
+    for block in blocks:
+        if "forward" in vars(block):
+            raise ValueError(f"compile_in_pieces: {type(block).__name__}.forward is already wrapped; compile first")
+        key = kind(block)
+        if key not in forwards:
+            forwards[key] = _function_with_own_code(type(block).forward, key)
+        own = types.MethodType(forwards[key], block)
+        block.forward = torch.compile(own, backend=backend, dynamic=False)
+
+
+def _function_with_own_code(fn: types.FunctionType, suffix: str) -> types.FunctionType:
+    """A copy of `fn` whose code object is its own (named `<name>_<suffix>`), so dynamo caches its graphs apart."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{suffix}", co_qualname=f"{fn.__qualname__}_{suffix}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
+def _raise_recompile_limit() -> None:
+    dynamo_config = torch._dynamo.config
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILE_LIMIT)
 
 
 # The on-disk caches of compiled kernels that `use_kernel_caches` points into one folder: environment variable and
@@ -156,23 +208,26 @@ def compile_stats(max_reasons: int = 8) -> dict:
     }
 
 
-def compile_report(stats: dict) -> tuple[str, str | None]:
+def compile_report(stats: dict, blocks_in_pieces: int = 0) -> tuple[str, str | None]:
     """(one line of what dynamo compiled, a warning or None) from `compile_stats()`, for the log after a run's first
     step. The warning: no graph at all (compile is on, but the blocks ran eagerly) or any graph break (a break splits
     a block's graph, and one inside an activation-checkpointed block makes dynamo run that block's whole forward
-    eagerly), with the reasons. The Motif-3 blocks compile without a break on every attention backend; ring / halo
-    context parallelism and the expert-parallel all-to-all still break them (README, Status)."""
+    eagerly), with the reasons. `blocks_in_pieces` blocks were compiled in pieces (`compile_in_pieces`: the
+    expert-parallel MoE blocks, ring / halo context parallelism), their breaks by design: the line then names the
+    breaks and their reasons, without a warning."""
     times = stats["compile_time_s"]
     line = (
         f"[compile] first step: {stats['unique_graphs']} graphs from {stats['compiled_frames']} frames "
         f"({stats['recompiles']} recompiles), {stats['graph_breaks']} graph breaks; forward compile "
         f"{times['total_forward_s']:.1f} s, backward {times['total_backward_s']:.1f} s"
     )
+    reasons = "; ".join(stats["graph_break_reasons"]) or "none recorded"
     if stats["unique_graphs"] == 0:
         problem = "compiled no graph: the blocks ran eagerly"
+    elif stats["graph_breaks"] and blocks_in_pieces:
+        return f"{line}; {blocks_in_pieces} blocks compile in pieces around what dynamo cannot trace: {reasons}", None
     elif stats["graph_breaks"]:
         problem = f"broke a graph {stats['graph_breaks']} times (a break in a checkpointed block runs it eagerly)"
     else:
         return line, None
-    reasons = "; ".join(stats["graph_break_reasons"]) or "none recorded"
     return line, f"[compile] torch.compile {problem}; reasons: {reasons} (TORCH_LOGS=graph_breaks shows where)"

@@ -112,9 +112,8 @@ class _AllToAllRoute:
 class AllToAllDispatcher(ExpertDispatcher):
     """Counts all-to-all, then one variable-split all-to-all of the rows each way
     (`torch.distributed._functional_collectives.all_to_all_single_autograd`: its backward is the
-    reverse all-to-all). One device-to-host copy of the split sizes per call; under torch.compile that copy
-    breaks the block's graph (a data-dependent `.tolist()`), and under activation checkpointing the whole MoE
-    block then runs eagerly (README, Status)."""
+    reverse all-to-all). One device-to-host copy of the split sizes per call (a data-dependent `.tolist()`):
+    the expert-parallel forward runs eagerly under torch.compile (`_wrap_forward`)."""
 
     def __init__(self, group) -> None:
         self.group = group
@@ -302,6 +301,11 @@ def _shard_parameter(module: nn.Module, name: str, mesh) -> None:
 def _wrap_forward(experts: nn.Module, dispatcher: ExpertDispatcher) -> None:
     inner: Callable = experts.forward
 
+    # Eager under torch.compile: the rows this rank receives change every step (a static-shape compile would
+    # recompile each time, a dynamic one could hand a checkpoint's recompute another graph than its forward ran:
+    # distributed.compile.compile_in_pieces), the split sizes are host values, and the experts are their own FSDP2
+    # group, whose hooks dynamo does not trace anyway. The GEMMs are the same grouped GEMMs eagerly.
+    @torch.compiler.disable
     @functools.wraps(inner)
     def forward(x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor, group_multiple=None) -> torch.Tensor:
         x_local, counts_L, route = dispatcher.dispatch(x_NH, tokens_per_expert_E)

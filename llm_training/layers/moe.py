@@ -223,6 +223,7 @@ class GroupedExperts(nn.Module):
         return _ContiguousGrad.apply(torch._grouped_mm(x_NK, w_EOK.transpose(-2, -1), offs=offs))
 
     @staticmethod
+    @torch.compiler.disable  # host values: compiled, every new set of counts would recompile (guards on each value)
     def _looped_matmul(x_NK, w_EOK, offs, counts):
         # counts go to the host once per call: the price of the fallback path. Rows past the last group
         # (padding) give 0, as with torch._grouped_mm.

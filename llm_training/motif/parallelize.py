@@ -8,8 +8,11 @@ Order (fixed; each step wraps what the previous ones produced, so it cannot be r
     2. context parallel           distributed.context_parallel.apply_context_parallel (cp > 1): every attention
                                   kernel wrapped (Ulysses / ring / halo per the plan) over the "cp" mesh dim's
                                   group; every MoE's balance loss summed over the sequence shards
-    3. activation checkpointing   distributed.activation_checkpoint.apply_ac (per block)
-    4. torch.compile              distributed.compile.apply_compile (per block, regional)
+    3. activation checkpointing   distributed.activation_checkpoint.apply_ac (per block); the blocks dynamo
+                                  cannot trace whole (`blocks_compiled_in_pieces`: expert-parallel MoE blocks,
+                                  ring / halo context parallelism) get their forward compiled just before
+                                  (distributed.compile.compile_in_pieces), so the checkpoint stays outside dynamo
+    4. torch.compile              distributed.compile.apply_compile (per block, regional, over the checkpoint)
     5. FSDP2                      distributed.fsdp.apply_fsdp (expert modules over expert_grad_mesh, blocks, then
                                   the root), SUM gradient reduction; over a one-rank mesh the reduction runs on the
                                   compute stream (distributed.fsdp.reduce_on_compute_stream)
@@ -45,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llm_training.distributed.activation_checkpoint import apply_ac
-from llm_training.distributed.compile import apply_compile
+from llm_training.distributed.compile import apply_compile, compile_in_pieces
 from llm_training.distributed.context_parallel import (
     ContextParallelSplit,
     apply_context_parallel,
@@ -74,6 +77,9 @@ class ParallelizedModel:
     # forward to backward (parallelize_motif) and between the micro-batches, resharded by the last backward, before
     # the optimizer updates the shards.
     defer_grad_sync: bool = False
+    # blocks compiled in pieces around the parts dynamo cannot trace (`blocks_compiled_in_pieces`): their graph
+    # breaks are by design, which the first step's compile report says
+    blocks_compiled_in_pieces: int = 0
 
     def set_gradient_sync(self, last_micro_batch: bool) -> None:
         """Before each micro-batch's backward: whether this backward reduces the gradients and reshards the
@@ -88,6 +94,24 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return [*model.layers, *model.mtp_layers]
 
 
+def blocks_compiled_in_pieces(model: nn.Module, expert_parallel: bool, cp_plan) -> list[nn.Module]:
+    """The blocks dynamo cannot trace whole (`distributed.compile.compile_in_pieces`): every block under ring / halo
+    context parallelism (`cp_plan`, a ContextParallelPlan or None), else under expert parallelism the blocks with a
+    MoE (trunk MoE layers, and MTP modules whose block has one)."""
+    if cp_plan is not None and cp_plan.full_attention == "ring":  # sliding layers then run halo attention
+        return blocks(model)
+    if expert_parallel:
+        return [b for b in blocks(model) if any(isinstance(m, MoE) for m in b.modules())]
+    return []
+
+
+def block_kind(block: nn.Module) -> str:
+    """What sets a block's compiled graphs apart: its class, attention window and feed-forward (dense / MoE)."""
+    window = block.self_attn.window
+    ffn = "moe" if getattr(block, "moe", None) is not None else "dense"
+    return f"{type(block).__name__}_{'full' if window is None else f'window{window}'}_{ffn}"
+
+
 def fp32_param_names(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters() if is_fp32_key(name)]
 
@@ -99,13 +123,21 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
     expert_plan = None
     if parallel_dims.ep_enabled:
         expert_plan = apply_expert_parallel(model, parallel_dims.ep_mesh["ep"], p.expert_parallel_dispatcher)
-    cp_split = None
+    cp_split = cp_plan = None
     if parallel_dims.cp_enabled:
-        plan = plan_context_parallel(model.args, parallel_dims.cp, p.context_parallel_mode)
-        cp_split = apply_context_parallel(model, plan, parallel_dims.world_mesh["cp"].get_group())
-    apply_ac(blocks(model), job_config.activation_checkpoint.mode)
-    if job_config.compile.enable and "model" in job_config.compile.components:
-        apply_compile(blocks(model))
+        cp_plan = plan_context_parallel(model.args, parallel_dims.cp, p.context_parallel_mode)
+        cp_split = apply_context_parallel(model, cp_plan, parallel_dims.world_mesh["cp"].get_group())
+    compiled = job_config.compile.enable and "model" in job_config.compile.components
+    ac_mode = job_config.activation_checkpoint.mode
+    # only under whole-block recomputation: with no checkpoint, dynamo splits a block at its breaks by itself; a
+    # "selective" policy cannot see into compiled pieces (those blocks run eagerly, which the first step reports)
+    in_pieces = []
+    if compiled and ac_mode in ("full", "long_context"):
+        in_pieces = blocks_compiled_in_pieces(model, expert_plan is not None, cp_plan)
+    compile_in_pieces(in_pieces, block_kind)  # before the checkpoint wraps their forward: it stays outside dynamo
+    apply_ac(blocks(model), ac_mode)
+    if compiled:
+        apply_compile([b for b in blocks(model) if all(b is not piece for piece in in_pieces)])
 
     use_fsdp = dist.is_initialized() and (
         parallel_dims.dp_enabled or parallel_dims.fsdp_enabled or device.type == "cuda"
@@ -116,7 +148,7 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
                 "bf16 mixed precision on CUDA needs a process group (FSDP2 provides it, even on one GPU): set up "
                 "the run with llm_training.distributed.utils.setup_distributed"
             )
-        return ParallelizedModel(model, fsdp=False)
+        return ParallelizedModel(model, fsdp=False, blocks_compiled_in_pieces=len(in_pieces))
 
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -158,4 +190,5 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
         sync_replicated_grads=sync_replicated_grads,
         context_parallel=cp_split,
         defer_grad_sync=single_shard,
+        blocks_compiled_in_pieces=len(in_pieces),
     )

@@ -521,7 +521,7 @@ class Trainer:
                     ) from e
                 rec.step_time_s = time.perf_counter() - t0
                 if compiling:
-                    line, warning = compile_report(compile_stats())
+                    line, warning = compile_report(compile_stats(), self.parallel.blocks_compiled_in_pieces)
                     logger.info(line)
                     if warning:
                         logger.warning(warning)
