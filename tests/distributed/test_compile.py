@@ -140,6 +140,68 @@ def test_checkpointed_blocks_compile_whole_on_cuda_with_flash_attn_4():
     assert rel(*grads) < 6e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_expert_parallel_moe_blocks_compile_in_pieces_on_cuda(free_port):
+    """The GPU path of `compile_in_pieces`: expert parallelism over a one-rank NCCL group (the experts' forward,
+    dispatch and combine, runs eagerly: a break in every MoE block), real flash-attn-4, inductor, bf16, full
+    activation checkpointing outside the compiled MoE blocks, over the dense ones. Every MoE block has compiled
+    code, and logits and gradients are the eager model's up to bf16 rounding (bounds as in the whole-block test
+    above: 3e-2 forward, 6e-2 gradients)."""
+    import torch.distributed as dist
+
+    from llm_training.distributed.activation_checkpoint import apply_ac
+    from llm_training.distributed.compile import compile_in_pieces
+    from llm_training.distributed.expert_parallel import apply_expert_parallel
+    from llm_training.layers.attention.fa4 import fa4_unavailable_reason
+    from llm_training.motif.parallelize import block_kind
+
+    reason = fa4_unavailable_reason("cuda")
+    if reason is not None:
+        pytest.skip(reason)
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port}", rank=0, world_size=1)
+    try:
+        # 5 layers: full dense, sliding dense, sliding MoE x 2, full MoE; head dims FA4's backward compiles
+        args = get_flavor("motif3_debug").replace(
+            num_hidden_layers=5, num_nextn_predict_layers=0, head_dim=96, qk_rope_head_dim=32, v_head_dim=64
+        )
+        torch.manual_seed(0)
+        eager = Motif3Model(args, attention_backend="fa4")
+        eager.init_weights()
+        eager = eager.to(device="cuda", dtype=torch.bfloat16)
+        compiled = copy.deepcopy(eager)
+        for model in (eager, compiled):
+            apply_expert_parallel(model, dist.group.WORLD)
+        moe_blocks = [b for b in blocks(compiled) if b.moe is not None]
+        compile_in_pieces(moe_blocks, block_kind)
+        apply_ac(blocks(compiled), "full")
+        apply_compile([b for b in blocks(compiled) if b.moe is None])
+        ids = torch.randint(0, args.vocab_size, (2, 256), device="cuda")
+        outs = {}
+        for name, model in (("compiled", compiled), ("eager", eager)):
+            outs[name] = model(ids)
+            outs[name].logits.float().logsumexp(-1).mean().backward()
+
+        def rel(a, b):
+            return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+        assert rel(outs["compiled"].logits, outs["eager"].logits) < 3e-2
+        stats = compile_stats()
+        assert stats["graph_breaks"] > 0, stats  # at each MoE block's experts
+        entries = torch._dynamo.eval_frame._debug_get_cache_entry_list
+        assert all(entries(b.forward.__wrapped__._torchdynamo_orig_callable) for b in moe_blocks)
+        grads = [
+            torch.cat([(g.full_tensor() if hasattr(g, "full_tensor") else g).float().flatten() for g in grads_of])
+            for grads_of in ([p.grad for p in m.parameters()] for m in (compiled, eager))
+        ]
+        assert rel(*grads) < 6e-2
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
 def test_compile_stats_count_a_recompile_and_its_reason():
     class Scaled(torch.nn.Module):
         def __init__(self, scale: int):
