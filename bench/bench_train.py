@@ -98,6 +98,7 @@ def build_trainer(
     device: str = "cuda",
     quantize: str = "none",
     mhc_backward: str = "auto",
+    compile_granularity: str = "block",
     ep: int = 1,
     cp: int = 1,
 ) -> Trainer:
@@ -105,7 +106,7 @@ def build_trainer(
     run builds it: bf16 FSDP2 mixed precision on CUDA (a 1-rank process group, or torchrun's ranks), fp32 on CPU.
     `accum` micro-batches of `batch` x `seq_len` tokens per data rank make one optimizer step; `optimizer` None keeps
     the config's default (Muon); `quantize`: the [quantize] recipe (none = bf16); `mhc_backward`: [model]
-    mhc_backward; `ep` / `cp`: the expert- / context-parallel degrees over torchrun's WORLD_SIZE ranks (FSDP2 over
+    mhc_backward; `compile_granularity`: [compile] granularity; `ep` / `cp`: the expert- / context-parallel degrees over torchrun's WORLD_SIZE ranks (FSDP2 over
     the data ranks, world / cp)."""
     on_cuda = device == "cuda"
     precision = "bfloat16" if on_cuda else "float32"
@@ -119,7 +120,8 @@ def build_trainer(
         f"--training.steps={steps}", "--checkpoint.enable=false",
         f"--activation_checkpoint.mode={ac}", f"--compile.enable={'true' if compile_ else 'false'}",
         "--metrics.save_jsonl=false", "--lr_scheduler.warmup_steps=1", f"--quantize.recipe={quantize}",
-        f"--kernels.mhc_backward={mhc_backward}", f"--parallelism.expert_parallel_degree={ep}",
+        f"--kernels.mhc_backward={mhc_backward}", f"--compile.granularity={compile_granularity}",
+        f"--parallelism.expert_parallel_degree={ep}",
         f"--parallelism.context_parallel_degree={cp}",
     ]  # fmt: skip
     if optimizer is not None:

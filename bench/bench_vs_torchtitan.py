@@ -20,7 +20,9 @@ A case name (ours@compiled, torchtitan@accum, ...) selects one case. `--quantize
 systems again under each low-precision recipe ([quantize] recipe; e.g. "ours_nomtp+adamw+fp8_rowwise@accum"),
 and the ratio table then also gives each one's speed-up over the same case in bf16; `--mhc-backward tensor_ops`
 likewise adds them with that [kernels] mhc_backward ("...+mhc_tensor_ops@accum"; the plain rows run the default,
-auto: the fused mHC backward kernels on the GPU), with the plain row's ratio to it. `--warm-restart` runs each
+auto: the fused mHC backward kernels on the GPU), with the plain row's ratio to it; `--granularity sublayer` adds
+them in the compiled groups with [compile] granularity = "sublayer" ("...+sublayer@accum": the attention and
+feed-forward halves compiled apart; its first-step and step times against the plain row's). `--warm-restart` runs each
 compiled case once more over the compile caches of its first run, as a restarted run with [compile] cache_folder
 starts: the table adds its first-step time. `--size tiny` runs every case at the tiny CPU shape (motif3_debug and its matched DeepSeek-V3)
 for a smoke test.
@@ -91,6 +93,7 @@ class Case:
     profile_steps: int = 0  # optimizer steps profiled after timing (CUDA): kernel time by cost group
     recipe: str = "none"  # our systems: the [quantize] recipe (torchtitan: always "none", bf16)
     mhc_backward: str = "auto"  # our systems: [kernels] mhc_backward (auto = the default config)
+    granularity: str = "block"  # our systems: [compile] granularity (block = the default config)
     memory_snapshot: bool = False  # one more step after timing recorded by the CUDA allocator: what holds its peak
 
     @property
@@ -98,7 +101,8 @@ class Case:
         opt = f"+{self.optimizer}" if self.system == "ours_nomtp" else ""
         quant = f"+{self.recipe}" if self.recipe != "none" else ""
         mhc = f"+mhc_{self.mhc_backward}" if self.mhc_backward != "auto" else ""
-        return f"{self.system}{opt}{quant}{mhc}@{self.group}"
+        granularity = f"+{self.granularity}" if self.granularity != "block" else ""
+        return f"{self.system}{opt}{quant}{mhc}{granularity}@{self.group}"
 
     @property
     def shape(self) -> Size:
@@ -130,21 +134,25 @@ def build_cases(
     profile_steps: int = 0,
     recipes: tuple[str, ...] = (),
     mhc_backwards: tuple[str, ...] = (),
+    granularities: tuple[str, ...] = (),
 ) -> list[Case]:
     """The cases named by `selection`: comma-separated groups ("eager", "compiled", "accum", "all") and/or case
     names as printed (e.g. "ours@compiled", "ours_nomtp+adamw@accum", "torchtitan@eager"). Order: group, then
     ours, ours_nomtp (per optimizer), each again under every one of `recipes` (low-precision [quantize] recipes)
-    and then in bf16 with every other [kernels] mhc_backward of `mhc_backwards`, then torchtitan. The accum group runs
-    half the timed steps (each is 4x longer)."""
+    and then in bf16 with every other [kernels] mhc_backward of `mhc_backwards` and every other [compile] granularity
+    of `granularities` (compiled groups), then torchtitan. The accum group runs half the timed steps (each is 4x
+    longer)."""
     every = []
     for group in GROUPS:
         n_steps = max(1, steps // 2) if group == "accum" else steps
-        variants = [(r, "auto") for r in ("none", *(r for r in recipes if r != "none"))]
-        variants += [("none", m) for m in mhc_backwards if m != "auto"]
-        for recipe, mhc in variants:
-            every.append(Case("ours", group, size, "muon", n_steps, warmup, profile_steps, recipe, mhc))
+        variants = [(r, "auto", "block") for r in ("none", *(r for r in recipes if r != "none"))]
+        variants += [("none", m, "block") for m in mhc_backwards if m != "auto"]
+        if group != "eager":
+            variants += [("none", "auto", g) for g in granularities if g != "block"]
+        for recipe, mhc, granularity in variants:
+            every.append(Case("ours", group, size, "muon", n_steps, warmup, profile_steps, recipe, mhc, granularity))
             every += [
-                Case("ours_nomtp", group, size, opt, n_steps, warmup, profile_steps, recipe, mhc)
+                Case("ours_nomtp", group, size, opt, n_steps, warmup, profile_steps, recipe, mhc, granularity)
                 for opt in nomtp_optimizers
             ]
         every.append(Case("torchtitan", group, size, "adamw", n_steps, warmup, profile_steps))
@@ -384,7 +392,8 @@ def run_worker(case: Case) -> dict:
         vocab = get_flavor(flavor).vocab_size
         trainer = build_trainer(flavor, seq, case.batch, "none", case.compiled, tempfile.mkdtemp(prefix="bench_vs_tt_"),
                                 case.steps + case.warmup, case.accum, case.optimizer, device.type,
-                                quantize=case.recipe, mhc_backward=case.mhc_backward)  # fmt: skip
+                                quantize=case.recipe, mhc_backward=case.mhc_backward,
+                                compile_granularity=case.granularity)  # fmt: skip
         nparams = sum(p.numel() for p in trainer.model.parameters())
         flops = our_flops_per_token(flavor, seq)
 
@@ -523,7 +532,7 @@ def _run_worker_process(case: Case, timeout_s: float, result: Path, env: dict) -
 
 def _plain(row: dict) -> bool:
     """A row of ours in bf16 with the default mHC backward (the variants' reference)."""
-    defaults = {"recipe": "none", "mhc_backward": "auto"}
+    defaults = {"recipe": "none", "mhc_backward": "auto", "granularity": "block"}
     return all(row.get(k, v) == v for k, v in defaults.items())
 
 
@@ -641,6 +650,9 @@ def main(argv=None) -> int:
                    "our systems again under each, with their speed-up over bf16")  # fmt: skip
     p.add_argument("--mhc-backward", default="", help="comma-separated [kernels] mhc_backward values (tensor_ops, fused): "
                    "our systems again with each, against the default auto (e.g. ours_nomtp+adamw+mhc_tensor_ops@accum)")  # fmt: skip
+    p.add_argument("--granularity", default="", help="comma-separated [compile] granularity values (sublayer): our "
+                   "systems again with each in the compiled groups, against the default block "
+                   "(e.g. ours_nomtp+adamw+sublayer@accum: first-step compile time and step time)")  # fmt: skip
     p.add_argument("--nomtp-optimizers", default="adamw", help="optimizers of the ours_nomtp rows: adamw, muon or both")
     p.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps per case (CUDA): "
                    "kernel time by cost group (bench/kernel_groups.py), printed and in the JSON")  # fmt: skip
@@ -666,7 +678,9 @@ def main(argv=None) -> int:
     optimizers = [o.strip() for o in a.nomtp_optimizers.replace("both", "adamw,muon").split(",") if o.strip()]
     recipes = tuple(r.strip() for r in a.quantize.split(",") if r.strip())
     mhc_backwards = tuple(m.strip() for m in a.mhc_backward.split(",") if m.strip())
-    cases = build_cases(a.cases, a.size, a.steps, a.warmup, optimizers, a.profile_steps, recipes, mhc_backwards)
+    granularities = tuple(g.strip() for g in a.granularity.split(",") if g.strip())
+    cases = build_cases(a.cases, a.size, a.steps, a.warmup, optimizers, a.profile_steps, recipes, mhc_backwards,
+                        granularities)  # fmt: skip
     cases = [dataclasses.replace(c, memory_snapshot=a.memory_snapshot) for c in cases]
     log_dir = Path(a.log_dir) if a.log_dir else Path(tempfile.mkdtemp(prefix="bench_vs_torchtitan_"))
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -366,6 +366,7 @@ class ActivationCheckpoint:
 
 
 COMPILE_COMPONENTS = ("model", "loss")
+COMPILE_GRANULARITIES = ("block", "sublayer")
 
 
 @dataclass
@@ -376,6 +377,15 @@ class Compile:
         f"what to compile, from {', '.join(COMPILE_COMPONENTS)}: the blocks; the chunked loss's softmax arithmetic "
         "where triton is missing (on CUDA with triton the loss chunk is one Triton kernel either way)",
         choices=COMPILE_COMPONENTS,
+    )
+    granularity: str = option(
+        "block",
+        "what one compiled graph covers: block (a whole block; under activation checkpointing its recompute is planned "
+        "inside the graph) or sublayer (the attention half and the feed-forward half apart: a half shared by blocks "
+        "that differ only in the other half compiles once, so a first step compiles less, e.g. motif3_proxy's "
+        "pattern 117 -> 75 s on CPU; inductor then cannot fuse across the halves; needs [activation_checkpoint] "
+        "mode = none)",
+        choices=COMPILE_GRANULARITIES,
     )
     cache_folder: str = option(
         "compile_cache",

@@ -260,6 +260,13 @@ def validate_config(c: "JobConfig") -> None:
         o.qk_clip_threshold >= 0, f"[optimizer] qk_clip_threshold must be >= 0 (0 disables), got {o.qk_clip_threshold}"
     )
 
+    _require(
+        c.compile.granularity == "block" or c.activation_checkpoint.mode == "none",
+        f"[compile] granularity = 'sublayer' needs [activation_checkpoint] mode = 'none' (got "
+        f"{c.activation_checkpoint.mode!r}: a checkpointed block compiles whole, its recompute inside the graph); "
+        f"set granularity = 'block' or mode = 'none'",
+    )
+
     s = c.lr_scheduler
     _require(s.warmup_steps >= 0, f"[lr_scheduler] warmup_steps must be >= 0, got {s.warmup_steps}")
     _require(

@@ -43,7 +43,9 @@ class Motif3Output:
 class TransformerBlock(nn.Module):
     """One trunk block. forward(x, position_ids, metadata) -> (x, RouterStats or None, max_logits fp32 [n_h] or
     None), where x is the stream tensor [B, S, n, H] with mHC or the plain residual [B, S, H] without, metadata the
-    forward's AttentionMetadata, and max_logits the attention's when recording (GDLAttention)."""
+    forward's AttentionMetadata, and max_logits the attention's when recording (GDLAttention). The forward is its
+    two halves in turn, `attention_sublayer` then `ffn_sublayer` ([compile] granularity = "sublayer" compiles them
+    apart)."""
 
     def __init__(
         self,
@@ -103,22 +105,36 @@ class TransformerBlock(nn.Module):
             return self.moe(x_BSH)
         return self.mlp(x_BSH), None
 
-    def forward(self, x: torch.Tensor, position_ids_BS: torch.Tensor, metadata: Optional[AttentionMetadata] = None):
+    def attention_sublayer(
+        self, x: torch.Tensor, position_ids_BS: torch.Tensor, metadata: Optional[AttentionMetadata] = None
+    ) -> tuple[torch.Tensor, Optional[StreamSource], Optional[torch.Tensor]]:
+        """The attention half of the block: (x after it, how mHC made that mid-block stream (StreamSource; None
+        without mHC), max_logits or None)."""
         if self.mhc_attn is None:
             y, max_logits = self.self_attn(self.input_layernorm(x), position_ids_BS, metadata)
-            x = x + y
-            y, stats = self._ffn(self.post_attention_layernorm(x))
-            return x + y, stats, max_logits
+            return x + y, None, max_logits
         fused = self.mhc_attn.fused_backward
         h_pre, h_post, h_res = self.mhc_attn.coefficients(x)
         y, max_logits = self.self_attn(
             self.input_layernorm(MHC.collapse(x, h_pre, fused=fused)), position_ids_BS, metadata
         )
         mid = StreamSource(x, h_res, h_post, y)  # the mid-block stream is rebuilt from this in backward
-        x = MHC.update(*mid, fused=fused)
+        return MHC.update(*mid, fused=fused), mid, max_logits
+
+    def ffn_sublayer(self, x: torch.Tensor, mid: Optional[StreamSource]) -> tuple[torch.Tensor, Optional[RouterStats]]:
+        """The feed-forward half of the block on `attention_sublayer`'s outputs: (x after it, RouterStats or None)."""
+        if self.mhc_ffn is None:
+            y, stats = self._ffn(self.post_attention_layernorm(x))
+            return x + y, stats
+        fused = self.mhc_ffn.fused_backward
         h_pre, h_post, h_res = self.mhc_ffn.coefficients(x, mid)
         y, stats = self._ffn(self.post_attention_layernorm(MHC.collapse(x, h_pre, mid, fused)))
-        return MHC.update(x, h_res, h_post, y, mid, fused), stats, max_logits
+        return MHC.update(x, h_res, h_post, y, mid, fused), stats
+
+    def forward(self, x: torch.Tensor, position_ids_BS: torch.Tensor, metadata: Optional[AttentionMetadata] = None):
+        x, mid, max_logits = self.attention_sublayer(x, position_ids_BS, metadata)
+        x, stats = self.ffn_sublayer(x, mid)
+        return x, stats, max_logits
 
 
 class Motif3Model(nn.Module):

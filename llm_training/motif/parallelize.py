@@ -137,7 +137,8 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
     compile_in_pieces(in_pieces, block_kind)  # before the checkpoint wraps their forward: it stays outside dynamo
     apply_ac(blocks(model), ac_mode)
     if compiled:
-        apply_compile([b for b in blocks(model) if all(b is not piece for piece in in_pieces)])
+        whole = [b for b in blocks(model) if all(b is not piece for piece in in_pieces)]
+        apply_compile(whole, sublayers=job_config.compile.granularity == "sublayer")
 
     use_fsdp = dist.is_initialized() and (
         parallel_dims.dp_enabled or parallel_dims.fsdp_enabled or device.type == "cuda"

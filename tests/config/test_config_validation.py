@@ -31,6 +31,15 @@ def test_warmup_longer_than_training():
     assert "warmup_steps = 20" in str(e.value) and "steps = 10" in str(e.value)
 
 
+def test_sublayer_compile_needs_no_activation_checkpointing():
+    parse("--compile.enable", "--compile.granularity=sublayer", "--activation_checkpoint.mode=none")
+    with pytest.raises(ConfigError) as e:
+        parse("--compile.enable", "--compile.granularity=sublayer", "--activation_checkpoint.mode=full")
+    msg = str(e.value)
+    assert "[compile] granularity = 'sublayer'" in msg and "[activation_checkpoint] mode = 'none'" in msg
+    assert "'full'" in msg
+
+
 def test_seq_len_beyond_flavor_context():
     with pytest.raises(ConfigError) as e:
         parse("--training.seq_len=512")  # motif3_debug has max_seq_len 256

@@ -23,11 +23,11 @@ from llm_training.distributed.utils import destroy_process_group
 ARGS = get_flavor("motif3_debug").replace(num_hidden_layers=3, router_aux_loss_coef=0.01)
 
 
-def _config(ac_mode="none", compiled=False, cp_mode="ulysses"):
+def _config(ac_mode="none", compiled=False, cp_mode="ulysses", granularity="block"):
     ns = types.SimpleNamespace
     return ns(
         activation_checkpoint=ns(mode=ac_mode),
-        compile=ns(enable=compiled, components=["model"] if compiled else []),
+        compile=ns(enable=compiled, components=["model"] if compiled else [], granularity=granularity),
         training=ns(mixed_precision_param="float32", mixed_precision_reduce="float32"),
         parallelism=ns(expert_parallel_dispatcher="all_to_all", context_parallel_mode=cp_mode),
     )
@@ -120,6 +120,17 @@ def test_activation_checkpointing_keeps_values_grads_and_names(mode):
     torch.testing.assert_close(loss, ref_loss)
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+@pytest.mark.parametrize("granularity", ["block", "sublayer"])
+def test_compile_granularity_reaches_apply_compile(monkeypatch, granularity):
+    from llm_training.motif import parallelize
+
+    calls = []
+    monkeypatch.setattr(parallelize, "apply_compile", lambda blocks, sublayers: calls.append((len(blocks), sublayers)))
+    parallelize_motif(Motif3Model(ARGS), ParallelDims(1, 1, 1, 1, 1), _config("none", True, granularity=granularity),
+                      torch.device("cpu"))  # fmt: skip
+    assert calls == [(ARGS.num_hidden_layers + ARGS.num_nextn_predict_layers, granularity == "sublayer")]
 
 
 def test_long_context_checkpointing_chunks_the_routed_experts_and_keeps_values_and_grads(monkeypatch):

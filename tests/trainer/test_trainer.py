@@ -300,7 +300,7 @@ def test_first_step_logs_what_compile_did_and_warns_on_graph_breaks(make_config,
         "compile_time_s": {"total_forward_s": 1.5, "total_backward_s": 0.5},
         "graph_break_reasons": ["2x Skip calling `torch.compiler.disable()`d function"],
     }  # fmt: skip
-    monkeypatch.setattr(parallelize, "apply_compile", lambda blocks: None)
+    monkeypatch.setattr(parallelize, "apply_compile", lambda blocks, sublayers=False: None)
     monkeypatch.setattr(trainer_module, "compile_stats", lambda: stats)
     with caplog.at_level("INFO"):
         train(make_config("--compile.enable", "--training.steps=2", "--checkpoint.interval=2"), DIMS, CPU)
