@@ -98,7 +98,7 @@ def build_trainer(
     device: str = "cuda",
     quantize: str = "none",
     mhc_backward: str = "auto",
-    compile_granularity: str = "block",
+    compile_granularity: str = "auto",
     ep: int = 1,
     cp: int = 1,
 ) -> Trainer:

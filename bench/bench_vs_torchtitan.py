@@ -20,9 +20,10 @@ A case name (ours@compiled, torchtitan@accum, ...) selects one case. `--quantize
 systems again under each low-precision recipe ([quantize] recipe; e.g. "ours_nomtp+adamw+fp8_rowwise@accum"),
 and the ratio table then also gives each one's speed-up over the same case in bf16; `--mhc-backward tensor_ops`
 likewise adds them with that [kernels] mhc_backward ("...+mhc_tensor_ops@accum"; the plain rows run the default,
-auto: the fused mHC backward kernels on the GPU), with the plain row's ratio to it; `--granularity sublayer` adds
-them in the compiled groups with [compile] granularity = "sublayer" ("...+sublayer@accum": the attention and
-feed-forward halves compiled apart; its first-step and step times against the plain row's). `--warm-restart` runs each
+auto: the fused mHC backward kernels on the GPU), with the plain row's ratio to it; `--granularity block` adds
+them in the compiled groups with that [compile] granularity ("...+block@accum": whole blocks compiled, against the
+default auto, which compiles the attention and feed-forward halves apart without activation checkpointing: first
+step, step time, memory). `--warm-restart` runs each
 compiled case once more over the compile caches of its first run, as a restarted run with [compile] cache_folder
 starts: the table adds its first-step time. `--size tiny` runs every case at the tiny CPU shape (motif3_debug and its matched DeepSeek-V3)
 for a smoke test.
@@ -93,7 +94,7 @@ class Case:
     profile_steps: int = 0  # optimizer steps profiled after timing (CUDA): kernel time by cost group
     recipe: str = "none"  # our systems: the [quantize] recipe (torchtitan: always "none", bf16)
     mhc_backward: str = "auto"  # our systems: [kernels] mhc_backward (auto = the default config)
-    granularity: str = "block"  # our systems: [compile] granularity (block = the default config)
+    granularity: str = "auto"  # our systems: [compile] granularity (auto = the default config)
     memory_snapshot: bool = False  # one more step after timing recorded by the CUDA allocator: what holds its peak
 
     @property
@@ -101,7 +102,7 @@ class Case:
         opt = f"+{self.optimizer}" if self.system == "ours_nomtp" else ""
         quant = f"+{self.recipe}" if self.recipe != "none" else ""
         mhc = f"+mhc_{self.mhc_backward}" if self.mhc_backward != "auto" else ""
-        granularity = f"+{self.granularity}" if self.granularity != "block" else ""
+        granularity = f"+{self.granularity}" if self.granularity != "auto" else ""
         return f"{self.system}{opt}{quant}{mhc}{granularity}@{self.group}"
 
     @property
@@ -145,10 +146,10 @@ def build_cases(
     every = []
     for group in GROUPS:
         n_steps = max(1, steps // 2) if group == "accum" else steps
-        variants = [(r, "auto", "block") for r in ("none", *(r for r in recipes if r != "none"))]
-        variants += [("none", m, "block") for m in mhc_backwards if m != "auto"]
+        variants = [(r, "auto", "auto") for r in ("none", *(r for r in recipes if r != "none"))]
+        variants += [("none", m, "auto") for m in mhc_backwards if m != "auto"]
         if group != "eager":
-            variants += [("none", "auto", g) for g in granularities if g != "block"]
+            variants += [("none", "auto", g) for g in granularities if g != "auto"]
         for recipe, mhc, granularity in variants:
             every.append(Case("ours", group, size, "muon", n_steps, warmup, profile_steps, recipe, mhc, granularity))
             every += [
@@ -532,7 +533,7 @@ def _run_worker_process(case: Case, timeout_s: float, result: Path, env: dict) -
 
 def _plain(row: dict) -> bool:
     """A row of ours in bf16 with the default mHC backward (the variants' reference)."""
-    defaults = {"recipe": "none", "mhc_backward": "auto", "granularity": "block"}
+    defaults = {"recipe": "none", "mhc_backward": "auto", "granularity": "auto"}
     return all(row.get(k, v) == v for k, v in defaults.items())
 
 
@@ -650,9 +651,9 @@ def main(argv=None) -> int:
                    "our systems again under each, with their speed-up over bf16")  # fmt: skip
     p.add_argument("--mhc-backward", default="", help="comma-separated [kernels] mhc_backward values (tensor_ops, fused): "
                    "our systems again with each, against the default auto (e.g. ours_nomtp+adamw+mhc_tensor_ops@accum)")  # fmt: skip
-    p.add_argument("--granularity", default="", help="comma-separated [compile] granularity values (sublayer): our "
-                   "systems again with each in the compiled groups, against the default block "
-                   "(e.g. ours_nomtp+adamw+sublayer@accum: first-step compile time and step time)")  # fmt: skip
+    p.add_argument("--granularity", default="", help="comma-separated [compile] granularity values (block, sublayer): "
+                   "our systems again with each in the compiled groups, against the default auto (e.g. "
+                   "ours_nomtp+adamw+block@accum: first-step compile time, step time, memory)")  # fmt: skip
     p.add_argument("--nomtp-optimizers", default="adamw", help="optimizers of the ours_nomtp rows: adamw, muon or both")
     p.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps per case (CUDA): "
                    "kernel time by cost group (bench/kernel_groups.py), printed and in the JSON")  # fmt: skip

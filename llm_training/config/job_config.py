@@ -366,7 +366,7 @@ class ActivationCheckpoint:
 
 
 COMPILE_COMPONENTS = ("model", "loss")
-COMPILE_GRANULARITIES = ("block", "sublayer")
+COMPILE_GRANULARITIES = ("auto", "block", "sublayer")
 
 
 @dataclass
@@ -379,12 +379,12 @@ class Compile:
         choices=COMPILE_COMPONENTS,
     )
     granularity: str = option(
-        "block",
+        "auto",
         "what one compiled graph covers: block (a whole block; under activation checkpointing its recompute is planned "
-        "inside the graph) or sublayer (the attention half and the feed-forward half apart: a half shared by blocks "
-        "that differ only in the other half compiles once, so a first step compiles less, e.g. motif3_proxy's "
-        "pattern 117 -> 75 s on CPU; inductor then cannot fuse across the halves; needs [activation_checkpoint] "
-        "mode = none)",
+        "inside the graph), sublayer (the attention half and the feed-forward half apart: a half shared by blocks that "
+        "differ only in the other half compiles once; needs [activation_checkpoint] mode = none), or auto (sublayer "
+        "without activation checkpointing, else block). H200, motif3_proxy_nomtp, 64K tokens per step: sublayer's "
+        "first step 70.0 s vs 82.7, reserved 111.2 vs 117.0 GiB, step time 0.996x",
         choices=COMPILE_GRANULARITIES,
     )
     cache_folder: str = option(

@@ -261,10 +261,10 @@ def validate_config(c: "JobConfig") -> None:
     )
 
     _require(
-        c.compile.granularity == "block" or c.activation_checkpoint.mode == "none",
+        c.compile.granularity != "sublayer" or c.activation_checkpoint.mode == "none",
         f"[compile] granularity = 'sublayer' needs [activation_checkpoint] mode = 'none' (got "
         f"{c.activation_checkpoint.mode!r}: a checkpointed block compiles whole, its recompute inside the graph); "
-        f"set granularity = 'block' or mode = 'none'",
+        f"set granularity = 'auto' / 'block' or mode = 'none'",
     )
 
     s = c.lr_scheduler

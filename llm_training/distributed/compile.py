@@ -35,11 +35,12 @@ def apply_compile(blocks: list[nn.Module], backend: str = "inductor", sublayers:
     inside the block's graph. A block must then trace without a graph break: a break inside a checkpoint makes dynamo
     run that block's whole forward eagerly (blocks that cannot: `compile_in_pieces`).
 
-    `sublayers` ([compile] granularity = "sublayer", without activation checkpointing): a block with an
+    `sublayers` ([compile] granularity = "sublayer", or "auto" without activation checkpointing): a block with an
     `attention_sublayer` and an `ffn_sublayer` (Motif-3's TransformerBlock; its forward calls the two) gets the two
     compiled apart instead. Each is then one graph per kind of ITS half, so a trunk of {full, sliding} x {dense, MoE}
-    blocks compiles 2 + 2 halves instead of 4 blocks (CPU inductor, motif3_proxy's pattern at tiny widths: first
-    step 117 -> 75 s); inductor no longer fuses across the two halves. Other blocks (MTP) compile whole."""
+    blocks compiles 2 + 2 halves instead of 4 blocks; inductor no longer fuses across the two halves. H200,
+    motif3_proxy_nomtp, 64K tokens per step (bench_vs_torchtitan, 2026-12-05): first step 82.7 -> 70.0 s, reserved
+    117.0 -> 111.2 GiB, step 1646.4 -> 1653.8 ms (0.996x). Other blocks (MTP) compile whole."""
     _raise_recompile_limit()
     for block in blocks:
         if sublayers and hasattr(block, "attention_sublayer") and hasattr(block, "ffn_sublayer"):
@@ -57,7 +58,8 @@ def compile_in_pieces(blocks: list[nn.Module], kind: Callable[[nn.Module], str],
     stays outside dynamo, so dynamo splits the forward at each break and compiles the pieces between (attention, mHC,
     router, shared expert, ...), where `apply_compile`'s order would run these blocks wholly eagerly. What runs
     between the pieces runs eagerly: the expert-parallel experts whole (dispatch, expert GEMMs, combine:
-    `expert_parallel`, whose row counts change every step), the ring / halo attention. The cost: the recompute is the
+    `expert_parallel`, whose row counts change every step), the ring / halo attention, the routed experts' token
+    chunks of "long_context" recompute (`MoE._routed_in_chunks`, each its own checkpoint). The cost: the recompute is the
     compiled forward run again, and "selective" checkpointing cannot see into compiled pieces (parallelize_motif keeps
     it on `apply_compile`'s order).
 

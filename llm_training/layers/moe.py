@@ -291,6 +291,23 @@ class MoE(nn.Module):
         combine_weight = None if self.score_before_experts else weights_TK  # weighted before: a plain sum
         return _WeightedCombine.apply(y_rows, combine_weight, row_of_flat, order, x_TH.dtype)
 
+    # Eager under torch.compile, so each chunk's checkpoint is a real one. Compiled inside a checkpointed block's
+    # graph, the long-context step peaked at 61.2 GiB at 64K tokens (36.6 eager) and ran out of memory at 256K
+    # (motif3_small_256k, H200, 2026-12-05); parallelize_motif compiles long_context blocks in pieces around this.
+    @torch.compiler.disable
+    def _routed_in_chunks(self, x_TH, weights_TK, expert_ids_TK, chunk: int) -> torch.Tensor:
+        """Long sequences: the routed rows, expert activations and fp32 combine buffers scale with tokens x K; run
+        them over token chunks of `chunk` tokens, each checkpointed, so that a backward holds one chunk's (the math
+        per token is unchanged: routing is per token and a token's K rows stay in its chunk)."""
+        from torch.utils.checkpoint import checkpoint
+
+        return torch.cat(
+            [
+                checkpoint(self._routed, x_c, w_c, ids_c, use_reentrant=False)
+                for x_c, w_c, ids_c in zip(x_TH.split(chunk), weights_TK.split(chunk), expert_ids_TK.split(chunk))
+            ]
+        )
+
     def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         B, S, H = x_BSH.shape
         x_TH = x_BSH.reshape(-1, H)
@@ -300,17 +317,7 @@ class MoE(nn.Module):
         if chunk is None or x_TH.shape[0] <= chunk:
             out = self._routed(x_TH, weights_TK, expert_ids_TK, tokens_per_expert)
         else:
-            # Long sequences: the routed rows, expert activations and fp32 combine buffers scale with tokens x K;
-            # run them over token chunks, each checkpointed, so that a backward holds one chunk's (the math per
-            # token is unchanged: routing is per token and a token's K rows stay in its chunk).
-            from torch.utils.checkpoint import checkpoint
-
-            out = torch.cat(
-                [
-                    checkpoint(self._routed, x_c, w_c, ids_c, use_reentrant=False)
-                    for x_c, w_c, ids_c in zip(x_TH.split(chunk), weights_TK.split(chunk), expert_ids_TK.split(chunk))
-                ]
-            )
+            out = self._routed_in_chunks(x_TH, weights_TK, expert_ids_TK, chunk)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_TH)
 

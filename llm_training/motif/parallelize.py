@@ -10,7 +10,8 @@ Order (fixed; each step wraps what the previous ones produced, so it cannot be r
                                   group; every MoE's balance loss summed over the sequence shards
     3. activation checkpointing   distributed.activation_checkpoint.apply_ac (per block); the blocks dynamo
                                   cannot trace whole (`blocks_compiled_in_pieces`: expert-parallel MoE blocks,
-                                  ring / halo context parallelism) get their forward compiled just before
+                                  ring / halo context parallelism, long_context recompute) get their forward
+                                  compiled just before
                                   (distributed.compile.compile_in_pieces), so the checkpoint stays outside dynamo
     4. torch.compile              distributed.compile.apply_compile (per block, regional, over the checkpoint)
     5. FSDP2                      distributed.fsdp.apply_fsdp (expert modules over expert_grad_mesh, blocks, then
@@ -94,11 +95,13 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return [*model.layers, *model.mtp_layers]
 
 
-def blocks_compiled_in_pieces(model: nn.Module, expert_parallel: bool, cp_plan) -> list[nn.Module]:
-    """The blocks dynamo cannot trace whole (`distributed.compile.compile_in_pieces`): every block under ring / halo
-    context parallelism (`cp_plan`, a ContextParallelPlan or None), else under expert parallelism the blocks with a
-    MoE (trunk MoE layers, and MTP modules whose block has one)."""
-    if cp_plan is not None and cp_plan.full_attention == "ring":  # sliding layers then run halo attention
+def blocks_compiled_in_pieces(model: nn.Module, expert_parallel: bool, cp_plan, long_context: bool) -> list[nn.Module]:
+    """The blocks compiled with the checkpoint outside (`distributed.compile.compile_in_pieces`): every block under
+    ring / halo context parallelism (`cp_plan`, a ContextParallelPlan or None) and under "long_context" checkpointing
+    (the routed experts' chunks run eagerly, each its own checkpoint: `MoE._routed_in_chunks`; the blocks' recompute
+    then holds what eager recompute holds), else under expert parallelism the blocks with a MoE (trunk MoE layers,
+    and MTP modules whose block has one)."""
+    if long_context or (cp_plan is not None and cp_plan.full_attention == "ring"):  # ring: halo on sliding layers
         return blocks(model)
     if expert_parallel:
         return [b for b in blocks(model) if any(isinstance(m, MoE) for m in b.modules())]
@@ -133,12 +136,13 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
     # "selective" policy cannot see into compiled pieces (those blocks run eagerly, which the first step reports)
     in_pieces = []
     if compiled and ac_mode in ("full", "long_context"):
-        in_pieces = blocks_compiled_in_pieces(model, expert_plan is not None, cp_plan)
+        in_pieces = blocks_compiled_in_pieces(model, expert_plan is not None, cp_plan, ac_mode == "long_context")
     compile_in_pieces(in_pieces, block_kind)  # before the checkpoint wraps their forward: it stays outside dynamo
     apply_ac(blocks(model), ac_mode)
     if compiled:
         whole = [b for b in blocks(model) if all(b is not piece for piece in in_pieces)]
-        apply_compile(whole, sublayers=job_config.compile.granularity == "sublayer")
+        granularity = job_config.compile.granularity
+        apply_compile(whole, sublayers=granularity == "sublayer" or (granularity == "auto" and ac_mode == "none"))
 
     use_fsdp = dist.is_initialized() and (
         parallel_dims.dp_enabled or parallel_dims.fsdp_enabled or device.type == "cuda"

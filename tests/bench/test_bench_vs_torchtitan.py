@@ -72,18 +72,19 @@ def test_another_mhc_backward_adds_our_systems_compared_with_the_default():
     assert by_pair == {("ours_nomtp+adamw+mhc_tensor_ops@accum", "ours_nomtp@accum"): pytest.approx(20 / 22)}
 
 
-def test_sublayer_granularity_adds_our_compiled_systems_compared_with_whole_blocks():
-    cases = bvt.build_cases("accum,eager", "proxy", 6, 2, ["adamw"], granularities=("sublayer",))
+def test_block_granularity_adds_our_compiled_systems_compared_with_the_default():
+    cases = bvt.build_cases("accum,eager", "proxy", 6, 2, ["adamw"], granularities=("block",))
     names = [c.name for c in cases]
-    assert "ours+sublayer@accum" in names and "ours_nomtp+adamw+sublayer@accum" in names
-    assert not any("sublayer" in n for n in names if n.endswith("@eager"))  # nothing to compile there
-    sub = next(c for c in cases if c.name == "ours_nomtp+adamw+sublayer@accum")
-    assert sub.granularity == "sublayer" and sub.recipe == "none" and sub.mhc_backward == "auto"
-    plain = _row("ours_nomtp", "accum", 22000.0, 220.0, 275.0, optimizer="adamw", granularity="block")
-    halves = _row("ours_nomtp", "accum", 21000.0, 210.0, 262.5, optimizer="adamw", granularity="sublayer")
-    halves["case"] = "ours_nomtp+adamw+sublayer@accum"
-    by_pair = {(q["case"], q["vs"]): q["tokens_per_s"] for q in bvt.ratios([plain, halves])}
-    assert by_pair == {("ours_nomtp+adamw+sublayer@accum", "ours_nomtp@accum"): pytest.approx(21 / 22)}
+    assert "ours+block@accum" in names and "ours_nomtp+adamw+block@accum" in names
+    assert not any("block" in n for n in names if n.endswith("@eager"))  # nothing to compile there
+    whole = next(c for c in cases if c.name == "ours_nomtp+adamw+block@accum")
+    assert whole.granularity == "block" and whole.recipe == "none" and whole.mhc_backward == "auto"
+    assert next(c for c in cases if c.name == "ours_nomtp+adamw@accum").granularity == "auto"
+    plain = _row("ours_nomtp", "accum", 22000.0, 220.0, 275.0, optimizer="adamw", granularity="auto")
+    blocks = _row("ours_nomtp", "accum", 21000.0, 210.0, 262.5, optimizer="adamw", granularity="block")
+    blocks["case"] = "ours_nomtp+adamw+block@accum"
+    by_pair = {(q["case"], q["vs"]): q["tokens_per_s"] for q in bvt.ratios([plain, blocks])}
+    assert by_pair == {("ours_nomtp+adamw+block@accum", "ours_nomtp@accum"): pytest.approx(21 / 22)}
 
 
 def _row(system, group, tok_s, tf_ours, tf_tt, **kw):

@@ -122,15 +122,20 @@ def test_activation_checkpointing_keeps_values_grads_and_names(mode):
         torch.testing.assert_close(q.grad, p.grad, msg=name)
 
 
-@pytest.mark.parametrize("granularity", ["block", "sublayer"])
-def test_compile_granularity_reaches_apply_compile(monkeypatch, granularity):
+@pytest.mark.parametrize(
+    ("granularity", "ac_mode", "halves"),
+    [("block", "none", False), ("sublayer", "none", True), ("auto", "none", True), ("auto", "full", False)],
+)
+def test_compile_granularity_reaches_apply_compile(monkeypatch, granularity, ac_mode, halves):
+    """auto = the halves without activation checkpointing (the H200 measurement in the [compile] granularity
+    doc), whole blocks with it."""
     from llm_training.motif import parallelize
 
     calls = []
     monkeypatch.setattr(parallelize, "apply_compile", lambda blocks, sublayers: calls.append((len(blocks), sublayers)))
-    parallelize_motif(Motif3Model(ARGS), ParallelDims(1, 1, 1, 1, 1), _config("none", True, granularity=granularity),
+    parallelize_motif(Motif3Model(ARGS), ParallelDims(1, 1, 1, 1, 1), _config(ac_mode, True, granularity=granularity),
                       torch.device("cpu"))  # fmt: skip
-    assert calls == [(ARGS.num_hidden_layers + ARGS.num_nextn_predict_layers, granularity == "sublayer")]
+    assert calls == [(ARGS.num_hidden_layers + ARGS.num_nextn_predict_layers, halves)]
 
 
 def test_long_context_checkpointing_chunks_the_routed_experts_and_keeps_values_and_grads(monkeypatch):
