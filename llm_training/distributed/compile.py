@@ -225,7 +225,7 @@ def compile_report(stats: dict, blocks_in_pieces: int = 0) -> tuple[str, str | N
     step. The warning: no graph at all (compile is on, but the blocks ran eagerly) or any graph break (a break splits
     a block's graph, and one inside an activation-checkpointed block makes dynamo run that block's whole forward
     eagerly), with the reasons. `blocks_in_pieces` blocks were compiled in pieces (`compile_in_pieces`: the
-    expert-parallel MoE blocks, ring / halo context parallelism), their breaks by design: the line then names the
+    expert-parallel MoE blocks, ring / halo context parallelism, long_context recompute), their breaks by design: the line then names the
     breaks and their reasons, without a warning."""
     times = stats["compile_time_s"]
     line = (
