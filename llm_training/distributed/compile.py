@@ -59,9 +59,9 @@ def compile_in_pieces(blocks: list[nn.Module], kind: Callable[[nn.Module], str],
     router, shared expert, ...), where `apply_compile`'s order would run these blocks wholly eagerly. What runs
     between the pieces runs eagerly: the expert-parallel experts whole (dispatch, expert GEMMs, combine:
     `expert_parallel`, whose row counts change every step), the ring / halo attention, the routed experts' token
-    chunks of "long_context" recompute (`MoE._routed_in_chunks`, each its own checkpoint). The cost: the recompute is the
-    compiled forward run again, and "selective" checkpointing cannot see into compiled pieces (parallelize_motif keeps
-    it on `apply_compile`'s order).
+    chunks of "long_context" recompute (`MoE._routed_in_chunks`, each its own checkpoint). The cost: the recompute
+    is the compiled forward run again, and "selective" checkpointing cannot see into compiled pieces
+    (parallelize_motif keeps it on `apply_compile`'s order).
 
     A checkpoint's recompute must run the very graphs its forward ran, or the tensors it saves differ
     (CheckpointError). Two rules make it so:
@@ -225,8 +225,8 @@ def compile_report(stats: dict, blocks_in_pieces: int = 0) -> tuple[str, str | N
     step. The warning: no graph at all (compile is on, but the blocks ran eagerly) or any graph break (a break splits
     a block's graph, and one inside an activation-checkpointed block makes dynamo run that block's whole forward
     eagerly), with the reasons. `blocks_in_pieces` blocks were compiled in pieces (`compile_in_pieces`: the
-    expert-parallel MoE blocks, ring / halo context parallelism, long_context recompute), their breaks by design: the line then names the
-    breaks and their reasons, without a warning."""
+    expert-parallel MoE blocks, ring / halo context parallelism, long_context recompute), their breaks by design:
+    the line then names the breaks and their reasons, without a warning."""
     times = stats["compile_time_s"]
     line = (
         f"[compile] first step: {stats['unique_graphs']} graphs from {stats['compiled_frames']} frames "
