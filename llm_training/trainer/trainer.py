@@ -41,6 +41,7 @@ from llm_training.config import grad_accumulation_steps, to_toml
 from llm_training.distributed.compile import compile_progress, compile_report, compile_stats
 from llm_training.distributed.context_parallel import shard_batch
 from llm_training.distributed.utils import all_reduce_, clip_grad_norm_, rank, world_size
+from llm_training.layers.attention.fa4_prebuild import start_fa4_prebuild
 from llm_training.model_spec import StepStat
 from llm_training.motif.spec import MOTIF3_SPEC
 from llm_training.trainer.batch import prepare_batch
@@ -228,6 +229,8 @@ class Trainer:
         built = build_components(spec, c, parallel_dims, self.device)
         self.model_args, self.model, self.converters = built.model_args, built.model, built.converters
         self.parallel, self.optimizers = built.parallel, built.optimizers  # Muon + AdamW, with .lr_scheduler
+        # flash-attn-4's kernels built in a side process while the first step compiles (None where it would not help)
+        self.kernel_prebuild = start_fa4_prebuild(self.model, c, parallel_dims, self.device)
         self.model.train()
         self.lr_scheduler = self.optimizers.lr_scheduler
         self.hooks = spec.build_step_hooks(self.model, self.model_args, c)

@@ -1,0 +1,279 @@
+"""Build flash-attn-4's kernels in a side process while the first step compiles.
+
+flash-attn-4 compiles each CuTe DSL kernel it runs (per attention kind: the forward, the backward and the backward's
+pre- and post-passes) the first time it is called: six builds and 13-15 s of motif3_proxy's first compiled step on
+the H200 (bench_vs_torchtitan's first-step split, session 17), spent in the training process after torch.compile
+has built the graph that calls attention, i.e. on top of the graph compile. Its persistent cache
+(FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED / _DIR, which `[compile] cache_folder` switches on) is shared by processes:
+a reader checks memory, then the disk, under a file lock; a writer exports under an exclusive lock with an atomic
+rename.
+
+So, when the step is compiled, the trainer's local rank 0 starts `python -m llm_training.layers.attention.fa4_prebuild
+PLAN` at build time. That process runs every kind of attention the model sends to flash-attn-4 once, forward and
+backward, through the same `fa4_attention` the layers call, and exits; the kernels land in the cache while the
+training process traces and compiles its graphs, and its first attention call loads them (no build) instead of
+compiling. A kernel the side process has not finished when training needs it is simply built by the training
+process too (the first export wins, the second is skipped). Nothing waits for the side process, and its failure
+only costs the time it would have saved (a warning says why).
+
+The prebuild runs small shapes: flash-attn-4 4.0.0b36's compile keys (`flash_attn/cute/interface.py`) hold the
+dtype, head dims, query heads per KV head, causal / window, varlen, the GPU arch and the kernel's tile config, which
+follow from the head dims, not the token count. The exceptions are covered: more than 256 documents in a varlen call
+(FA4's `BIN_BATCH_SEARCH_THRESH`: a batch-lookup aid changes the key; built second, and only for micro-batches of at
+least `MANY_DOCUMENTS_MIN_TOKENS`, where packed chats reach that count) and a sequence of one tile (the backward's
+`single_q_block`; the prebuild's rows span several tiles, as training rows do). The training data always carries
+document ids, so attention always runs FA4's varlen kernels (`backends.build_attention_metadata`), and so does the
+prebuild.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# rows x tokens of the prebuild's batches: several 128-token tiles per document, a few MiB of activations
+PREBUILD_ROWS = 2
+PREBUILD_MAX_ROW_TOKENS = 2048
+# FA4 4.0.0b36's BIN_BATCH_SEARCH_THRESH: a varlen call over more documents than this compiles other kernels
+FA4_MANY_DOCUMENTS = 256
+# micro-batches from this many tokens (B x S) may pack more than FA4_MANY_DOCUMENTS documents (an average of 256
+# tokens or less, e.g. short chats in a 256K SFT row): their kernels are prebuilt too, after the common ones
+MANY_DOCUMENTS_MIN_TOKENS = 65536
+
+
+@dataclass(frozen=True)
+class Fa4AttentionKind:
+    """One kind of attention call that compiles its own flash-attn-4 kernels (the fields of their compile keys that
+    depend on the layer: heads, head dims, window)."""
+
+    n_heads: int
+    n_kv_heads: int
+    d_qk: int
+    d_v: int
+    window: int | None  # None = full causal
+    softmax_scale: float
+
+
+@dataclass
+class PrebuildPlan:
+    """What the side process builds: every kind, forward then backward, over `row_tokens`-token rows; then, when
+    `many_documents`, the same kinds over more than FA4_MANY_DOCUMENTS documents. `max_logits`: QK-clip records the
+    attention's max logits, whose Triton kernel (`max_logits_kernels`) is built beside the forward."""
+
+    device: str
+    dtype: str
+    row_tokens: int
+    kinds: list[Fa4AttentionKind]
+    many_documents: bool = False
+    max_logits: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> PrebuildPlan:
+        raw = json.loads(text)
+        raw["kinds"] = [Fa4AttentionKind(**k) for k in raw["kinds"]]
+        return cls(**raw)
+
+
+def fa4_attention_kinds(model: torch.nn.Module, device: torch.device) -> list[Fa4AttentionKind]:
+    """The distinct kinds of attention `model`'s GDLA layers (trunk and MTP) run through flash-attn-4 on `device`:
+    backend fa4, or auto where auto picks fa4 for the layer's head dims (`backends._auto_picks_fa4`), in model
+    order."""
+    from llm_training.layers.attention.backends import _auto_picks_fa4
+    from llm_training.layers.attention.gdla import GDLAttention
+
+    kinds: dict[tuple, Fa4AttentionKind] = {}
+    for module in model.modules():
+        if not isinstance(module, GDLAttention):
+            continue
+        d_qk = module.d_nope + module.d_rope
+        backend = module.attention_backend
+        if backend != "fa4" and not (backend == "auto" and _auto_picks_fa4(device, (d_qk, module.d_v))):
+            continue
+        kind = Fa4AttentionKind(
+            module.n_heads, module.n_kv_heads, d_qk, module.d_v, module.window, float(module.softmax_scale)
+        )
+        kinds.setdefault((kind.n_heads, kind.n_kv_heads, kind.d_qk, kind.d_v, kind.window), kind)
+    return list(kinds.values())
+
+
+def prebuild_skip_reason(job_config, parallel_dims, device: torch.device) -> str | None:
+    """Why this rank starts no prebuild (None: it starts one): the step is not compiled (the first attention call
+    then comes at once, with nothing to overlap), not on CUDA, a half dtype not trained, flash-attn-4's persistent
+    cache off (the side process's kernels would not reach the training process), context parallelism (its attention
+    wrappers call other kernel variants), or not the node's first rank (one side process per node: ranks share
+    the cache folder)."""
+    if not job_config.compile.enable:
+        return "the step is not compiled ([compile] enable = false)"
+    if device.type != "cuda":
+        return f"the device is {device.type}, not CUDA"
+    if job_config.training.mixed_precision_param not in ("bfloat16", "float16"):
+        return f"[training] mixed_precision_param = {job_config.training.mixed_precision_param!r} (flash-attn-4 runs bf16 / fp16)"
+    if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") != "1":
+        return "flash-attn-4's persistent kernel cache is off (set [compile] cache_folder)"
+    if parallel_dims.cp_enabled:
+        return "context parallelism wraps attention in other kernel calls"
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return "local rank 0 builds them for the node"
+    return None
+
+
+class Fa4Prebuild:
+    """The running side process: its output is logged line by line (`[fa4 prebuild] ...`) from a reader thread;
+    `close()` (also at interpreter exit) stops it if it still runs."""
+
+    def __init__(self, plan: PrebuildPlan):
+        self.plan = plan
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", __name__, plan.to_json()],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ),
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, name="fa4-prebuild-log", daemon=True)
+        self._reader.start()
+        atexit.register(self.close)
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            line = line.rstrip()
+            self.lines.append(line)
+            logger.info("[fa4 prebuild] %s", line)
+        code = self.process.wait()
+        if code not in (0, -15):  # -15: close() stopped it
+            tail = " | ".join(self.lines[-3:])
+            logger.warning(
+                "[fa4 prebuild] the side process exited with %d (%s); training builds flash-attn-4's kernels itself "
+                "(13-15 s more in the first step)",
+                code,
+                tail or "no output",
+            )
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The side process's exit code, after it ends (or `subprocess.TimeoutExpired`), its output all logged."""
+        code = self.process.wait(timeout)
+        self._reader.join(timeout)
+        return code
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def start_fa4_prebuild(model: torch.nn.Module, job_config, parallel_dims, device: torch.device) -> Fa4Prebuild | None:
+    """Start the side process for `model` (module docstring) on this rank, or log why not and return None."""
+    reason = prebuild_skip_reason(job_config, parallel_dims, device)
+    kinds = fa4_attention_kinds(model, device) if reason is None else []
+    if reason is None and not kinds:
+        reason = "no attention layer runs flash-attn-4"
+    if reason is not None:  # said where it could have mattered: a compiled step on CUDA
+        level = logging.INFO if job_config.compile.enable and device.type == "cuda" else logging.DEBUG
+        logger.log(level, "flash-attn-4 kernels not prebuilt: %s", reason)
+        return None
+    t = job_config.training
+    plan = PrebuildPlan(
+        device=str(device),
+        dtype=t.mixed_precision_param,
+        row_tokens=min(t.seq_len, PREBUILD_MAX_ROW_TOKENS),
+        kinds=kinds,
+        many_documents=t.local_batch_size * t.seq_len >= MANY_DOCUMENTS_MIN_TOKENS,
+        max_logits=job_config.optimizer.qk_clip_threshold > 0,
+    )
+    logger.info(
+        "flash-attn-4: building the kernels of %d attention kind(s) in a side process while the step compiles",
+        len(kinds),
+    )
+    return Fa4Prebuild(plan)
+
+
+def document_layout(documents: int, row_tokens: int) -> tuple[int, torch.Tensor]:
+    """(rows, int ids [rows, row_tokens]) of `documents` packed documents of about equal length, at least two tokens
+    each and at least PREBUILD_ROWS rows (a row boundary is a document boundary too), on the CPU."""
+    per_row = max(1, row_tokens // 2)
+    rows = max(PREBUILD_ROWS, -(-documents // per_row))
+    per_row = -(-documents // rows)
+    length = row_tokens // per_row  # the last document of a row takes the remainder
+    ids_BS = (torch.arange(row_tokens) // length).clamp(max=per_row - 1) + per_row * torch.arange(rows)[:, None]
+    return rows, ids_BS.contiguous()
+
+
+def _run(plan: PrebuildPlan) -> None:
+    """The side process: every kind's forward, then every backward, per document layout (module docstring)."""
+    from llm_training.layers.attention.backends import build_attention_metadata
+    from llm_training.layers.attention.fa4 import fa4_attention
+
+    device = torch.device(plan.device)
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        torch.cuda.set_device(device)
+    dtype = getattr(torch, plan.dtype)
+    S = plan.row_tokens
+    layouts = [("few documents", 2 * PREBUILD_ROWS)]
+    if plan.many_documents:
+        layouts.append((f"over {FA4_MANY_DOCUMENTS} documents", FA4_MANY_DOCUMENTS + 2 * PREBUILD_ROWS))
+    gen = torch.Generator(device=device).manual_seed(0)
+    start = time.perf_counter()
+    for layout, n_docs in layouts:
+        B, docs_BS = document_layout(n_docs, S)
+        metadata = build_attention_metadata("fa4", docs_BS.to(device), [k.window for k in plan.kinds], B, S, device)
+        pending = []
+        for kind in plan.kinds:  # every forward first: the training step needs them first
+            t0 = time.perf_counter()
+            q = torch.randn(B, S, kind.n_heads, kind.d_qk, device=device, dtype=dtype, generator=gen)
+            k = torch.randn(B, S, kind.n_kv_heads, kind.d_qk, device=device, dtype=dtype, generator=gen)
+            v = torch.randn(B, S, kind.n_kv_heads, kind.d_v, device=device, dtype=dtype, generator=gen)
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+            out, _ = fa4_attention(
+                q, k, v, scale=kind.softmax_scale, window=kind.window, metadata=metadata,
+                record_max_logits=plan.max_logits,
+            )  # fmt: skip
+            if on_cuda:
+                torch.cuda.synchronize(device)
+            pending.append((kind, out))
+            print(f"{layout}, {_describe(kind)}: forward {time.perf_counter() - t0:.1f} s", flush=True)
+        for kind, out in pending:
+            t0 = time.perf_counter()
+            out.backward(torch.randn(out.shape, device=device, dtype=out.dtype, generator=gen))
+            if on_cuda:
+                torch.cuda.synchronize(device)
+            print(f"{layout}, {_describe(kind)}: backward {time.perf_counter() - t0:.1f} s", flush=True)
+        del pending
+    elapsed = time.perf_counter() - start
+    print(f"done: {len(plan.kinds)} kind(s) x {len(layouts)} document layout(s) in {elapsed:.1f} s", flush=True)
+
+
+def _describe(kind: Fa4AttentionKind) -> str:
+    attention = "full causal" if kind.window is None else f"window {kind.window}"
+    return f"{attention}, {kind.n_heads}/{kind.n_kv_heads} heads, head dims {kind.d_qk}/{kind.d_v}"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m llm_training.layers.attention.fa4_prebuild PLAN_JSON", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING)
+    _run(PrebuildPlan.from_json(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

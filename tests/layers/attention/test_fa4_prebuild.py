@@ -1,0 +1,209 @@
+"""The flash-attn-4 prebuild side process: which attention kinds it builds, when a rank starts it, its document
+layouts, one run over the emulated kernels (CPU), the parent's handling of a failed side process, and on CUDA with
+flash-attn-4 that a process calling the prebuilt kinds at other shapes builds nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llm_training.config import ConfigManager
+from llm_training.layers.attention import fa4, fa4_prebuild
+from llm_training.layers.attention.fa4_prebuild import (
+    FA4_MANY_DOCUMENTS,
+    Fa4AttentionKind,
+    Fa4Prebuild,
+    PrebuildPlan,
+    document_layout,
+    fa4_attention_kinds,
+    prebuild_skip_reason,
+)
+from llm_training.motif import get_flavor
+from llm_training.motif.model import Motif3Model
+from tests.fa4_emulation import install_emulated_fa4
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _model(backend: str) -> Motif3Model:
+    with torch.device("meta"):
+        return Motif3Model(get_flavor("motif3_debug"), attention_backend=backend)
+
+
+def test_kinds_are_the_distinct_windows_and_head_shapes_of_the_fa4_layers():
+    args = get_flavor("motif3_debug")
+    model = _model("fa4")
+    kinds = fa4_attention_kinds(model, torch.device("cpu"))
+    windows = {m.self_attn.window for m in [*model.layers, *model.mtp_layers]}
+    assert {k.window for k in kinds} == windows and len(kinds) == len(windows) == 2
+    for k in kinds:
+        assert (k.n_heads, k.n_kv_heads) == (args.num_attention_heads, args.num_key_value_heads)
+        assert (k.d_qk, k.d_v) == (args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim)
+    # auto picks no fa4 on the CPU, and other backends never run it: nothing to build
+    assert fa4_attention_kinds(_model("auto"), torch.device("cpu")) == []
+    assert fa4_attention_kinds(_model("reference"), torch.device("cpu")) == []
+
+
+def test_a_rank_prebuilds_only_a_compiled_half_precision_step_on_cuda_with_the_shared_cache(monkeypatch):
+    def config(*overrides):
+        return ConfigManager().parse_args(
+            ["--compile.enable=true", "--training.mixed_precision_param=bfloat16", *overrides]
+        )
+
+    cuda, dims = torch.device("cuda", 0), SimpleNamespace(cp_enabled=False)
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert prebuild_skip_reason(config(), dims, cuda) is None
+    assert "[compile] enable" in prebuild_skip_reason(config("--compile.enable=false"), dims, cuda)
+    assert "not CUDA" in prebuild_skip_reason(config(), dims, torch.device("cpu"))
+    assert "float32" in prebuild_skip_reason(config("--training.mixed_precision_param=float32"), dims, cuda)
+    assert "context parallelism" in prebuild_skip_reason(config(), SimpleNamespace(cp_enabled=True), cuda)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert "local rank 0" in prebuild_skip_reason(config(), dims, cuda)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
+    assert "cache_folder" in prebuild_skip_reason(config(), dims, cuda)
+
+
+@pytest.mark.parametrize("documents,row_tokens", [(4, 2048), (FA4_MANY_DOCUMENTS + 4, 2048), (260, 64), (3, 7)])
+def test_document_layout_packs_the_documents_asked_for(documents, row_tokens):
+    rows, ids_BS = document_layout(documents, row_tokens)
+    assert ids_BS.shape == (rows, row_tokens) and rows >= fa4_prebuild.PREBUILD_ROWS
+    cu = fa4.document_cu_seqlens(ids_BS)
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    # the varlen call sees at least the documents asked for (so a many-documents layout crosses FA4's threshold),
+    # never a one-token document, and rows that each hold about the same count
+    assert documents <= len(lengths) <= documents + rows and min(lengths) >= 2
+    if documents > FA4_MANY_DOCUMENTS:
+        assert len(lengths) > FA4_MANY_DOCUMENTS
+
+
+def test_plan_survives_its_json_round_trip():
+    kinds = [Fa4AttentionKind(80, 16, 192, 128, None, 0.07), Fa4AttentionKind(80, 16, 192, 128, 128, 0.07)]
+    plan = PrebuildPlan("cuda:0", "bfloat16", 2048, kinds, many_documents=True, max_logits=True)
+    assert PrebuildPlan.from_json(plan.to_json()) == plan
+    assert json.loads(plan.to_json())["kinds"][1]["window"] == 128
+
+
+def test_side_process_runs_every_forward_then_every_backward_per_layout(monkeypatch, capsys):
+    """The side process's body on the CPU over the emulated kernels: per document layout, the forwards of every
+    kind come before the backwards (the order the first training step needs them), the many-documents layout
+    hands FA4 more than 256 documents, and QK-clip's max logits run beside the forwards."""
+    install_emulated_fa4(monkeypatch)
+    interface = sys.modules["flash_attn.cute.interface"]
+    calls = []
+    for name in ("_flash_attn_fwd", "_flash_attn_bwd"):
+
+        def record(*args, _kernel=getattr(interface, name), _name=name, **kwargs):
+            calls.append((_name, kwargs["window_size_left"], len(kwargs["cu_seqlens_q"]) - 1))
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(interface, name, record)
+    max_logits_calls = []
+    masks = sys.modules["llm_training.layers.attention.masks"]
+    real_max_logits = masks.attention_max_logits
+    monkeypatch.setattr(
+        masks, "attention_max_logits", lambda *a, **kw: max_logits_calls.append(1) or real_max_logits(*a, **kw)
+    )
+    kinds = [Fa4AttentionKind(4, 2, 16, 8, None, 0.25), Fa4AttentionKind(4, 2, 16, 8, 8, 0.25)]
+    fa4_prebuild._run(PrebuildPlan("cpu", "float32", 160, kinds, many_documents=True, max_logits=True))
+    fwd, bwd = "_flash_attn_fwd", "_flash_attn_bwd"
+    few, many = 2 * fa4_prebuild.PREBUILD_ROWS, FA4_MANY_DOCUMENTS + 2 * fa4_prebuild.PREBUILD_ROWS
+    assert [(c[0], c[1]) for c in calls] == [(fwd, None), (fwd, 8), (bwd, None), (bwd, 8)] * 2
+    assert {c[2] for c in calls[:4]} == {few} and min(c[2] for c in calls[4:]) >= many
+    assert len(max_logits_calls) == 4
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 9 and out[0].startswith("few documents, full causal, 4/2 heads, head dims 16/8: forward")
+    assert out[-1].startswith("done: 2 kind(s) x 2 document layout(s)")
+
+
+def test_a_failed_side_process_is_logged_and_leaves_training_alone(caplog):
+    """A real side process (`python -m ...`) whose plan cannot run here (flash-attn-4 needs CUDA): the parent logs
+    its output and a warning with the exit code; nothing raises."""
+    plan = PrebuildPlan("cpu", "bfloat16", 64, [Fa4AttentionKind(4, 2, 16, 8, None, 0.25)])
+    with caplog.at_level(logging.INFO, logger=fa4_prebuild.__name__):
+        prebuild = Fa4Prebuild(plan)
+        assert prebuild.wait(240) == 1
+    assert any("flash-attn-4 needs a CUDA device" in line for line in prebuild.lines)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert (
+        len(warnings) == 1 and "exited with 1" in warnings[0] and "builds flash-attn-4's kernels itself" in warnings[0]
+    )
+    prebuild.close()  # a finished process: nothing to stop
+
+
+# ------------------------------------------------------------------------ CUDA + flash-attn-4
+_CALLER = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import cutlass.cute as cute
+    import flash_attn.cute.interface  # noqa: F401  (its kernel functions call cute.compile to build)
+    from llm_training.layers.attention.backends import build_attention_metadata
+    from llm_training.layers.attention.fa4 import fa4_attention
+
+    builds = []
+    compile_ = cute.compile
+    cute.compile = lambda *a, **kw: builds.append(1) or compile_(*a, **kw)
+    plan, control = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+    B, S, result = 3, 4096, {}
+    pos = torch.arange(S)
+    docs_BS = ((pos >= 1000).long() + (pos >= 3000).long() + 3 * torch.arange(B)[:, None]).cuda()  # 3 per row
+    for label, kinds in (("prebuilt", plan["kinds"]), ("control", [control])):
+        builds.clear()
+        for kind in kinds:
+            meta = build_attention_metadata("fa4", docs_BS, [kind["window"]], B, S, torch.device("cuda"))
+            q, k, v = (
+                torch.randn(B, S, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for heads, dim in ((kind["n_heads"], kind["d_qk"]), (kind["n_kv_heads"], kind["d_qk"]),
+                                   (kind["n_kv_heads"], kind["d_v"]))
+            )
+            out, _ = fa4_attention(q, k, v, scale=kind["softmax_scale"], window=kind["window"], metadata=meta,
+                                   record_max_logits=plan["max_logits"])
+            out.float().square().sum().backward()
+        torch.cuda.synchronize()
+        result[label] = len(builds)
+    print(json.dumps(result))
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prebuilt_kernels_load_without_a_build_at_other_shapes(tmp_path):
+    """The prebuild (2 rows of 2048 tokens) into a fresh persistent cache, then another process calling the same
+    kinds at 3 rows of 4096 tokens with 3 documents each, as the training process does: flash-attn-4 builds no
+    kernel for them; a kind that was not prebuilt (the control) does build, so the count is live."""
+    if fa4.fa4_unavailable_reason(torch.device("cuda")) is not None:
+        pytest.skip(f"flash-attn-4 unavailable: {fa4.fa4_unavailable_reason(torch.device('cuda'))}")
+    env = {
+        **os.environ,
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(tmp_path),
+    }
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
+    kinds = [Fa4AttentionKind(16, 4, 192, 128, None, 0.07), Fa4AttentionKind(16, 4, 192, 128, 128, 0.07)]
+    plan = PrebuildPlan("cuda:0", "bfloat16", 2048, kinds, max_logits=True)
+    built = subprocess.run(
+        [sys.executable, "-m", fa4_prebuild.__name__, plan.to_json()], env=env, capture_output=True, text=True,
+        timeout=280,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert built.stdout.splitlines()[-1].startswith("done: 2 kind(s) x 1 document layout(s)")
+    control = dataclasses.asdict(Fa4AttentionKind(16, 4, 192, 128, 64, 0.07))
+    called = subprocess.run(
+        [sys.executable, "-c", _CALLER, plan.to_json(), json.dumps(control)], env=env, capture_output=True, text=True,
+        timeout=280,
+    )  # fmt: skip
+    assert called.returncode == 0, called.stdout + called.stderr
+    builds = json.loads(called.stdout.splitlines()[-1])
+    assert builds["prebuilt"] == 0 and builds["control"] > 0, builds
