@@ -140,6 +140,21 @@ def use_kernel_caches(folder: Path | None) -> dict[str, str]:
     return {name: os.environ[name] for name, _ in KERNEL_CACHE_VARIABLES if os.environ.get(name)}
 
 
+def start_compile_workers() -> bool:
+    """Start inductor's pool of compile worker processes now, at build time, rather than when the first graph reaches
+    inductor (torch's default). Until the pool's workers have started (each imports torch and Triton: seconds),
+    inductor builds every Triton kernel in this process, one after another, which is the first graphs' kernels of a
+    first step. Only with Triton installed (without it inductor has no pool); torch's own switch TORCH_WARM_POOL=0
+    turns it off here too. Returns whether the pool was asked to start."""
+    from torch._inductor.async_compile import maybe_warm_pool
+    from torch.utils._triton import has_triton_package
+
+    if not has_triton_package():
+        return False
+    maybe_warm_pool()
+    return True
+
+
 def reset_compile_stats() -> None:
     """Forget everything dynamo compiled and counted (`torch._dynamo.reset()`): the start of a measurement."""
     torch._dynamo.reset()

@@ -423,3 +423,33 @@ def test_compile_in_pieces_recomputes_a_shape_with_the_graph_its_forward_ran():
     for p, q in zip(model.parameters(), eager.parameters()):
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_compile_workers_start_only_where_inductor_has_a_pool(monkeypatch):
+    """`start_compile_workers` asks torch to start inductor's worker pool (`maybe_warm_pool`, which honours
+    TORCH_WARM_POOL) when Triton is installed, and does nothing without it (inductor then has no pool)."""
+    import torch._inductor.async_compile as async_compile
+    import torch.utils._triton as triton_utils
+
+    from llm_training.distributed.compile import start_compile_workers
+
+    warmed = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: warmed.append(1))
+    monkeypatch.setattr(triton_utils, "has_triton_package", lambda: False)
+    assert start_compile_workers() is False and warmed == []
+    monkeypatch.setattr(triton_utils, "has_triton_package", lambda: True)
+    assert start_compile_workers() is True and warmed == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compile_workers_are_ready_before_the_first_graph_on_cuda():
+    """After `start_compile_workers` (what parallelize_motif calls when it compiles on CUDA), inductor's pool comes
+    up without any graph compiled: its kernels are then built by the workers, not one by one in this process."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    from llm_training.distributed.compile import start_compile_workers
+
+    assert start_compile_workers()
+    AsyncCompile.wait_pool_ready(timeout=120)
+    assert AsyncCompile.use_process_pool()
