@@ -84,7 +84,9 @@ def train(cfg, warmup: int, steps: int) -> dict:
     # each length compiles anew: the compiled FlexAttention variants of earlier lengths (2 windows x with/without
     # max logits each) would reach dynamo's recompile limit, after which FlexAttention runs unfused ([S, S] scores)
     reset_compile_stats()
+    built = time.perf_counter()
     trainer = Trainer(cfg, dims, device)
+    build_s = time.perf_counter() - built
     gen = torch.Generator().manual_seed(0)
     cuda = device.type == "cuda"
     if cuda:
@@ -101,13 +103,17 @@ def train(cfg, warmup: int, steps: int) -> dict:
         rec = trainer.train_step([mb])
         if cuda:
             torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if i == 0:  # with compile: the graphs and kernels this length needs (cold only for a process's first length)
+            first_step_s = elapsed
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(elapsed)
         losses.append(rec.ce_loss)
     if not all(math.isfinite(x) for x in losses):
         raise RuntimeError(f"non-finite CE losses {losses}")
     step_s = statistics.median(times)
-    row = {"step_s": step_s, "tokens_per_s": t.seq_len / step_s, "ce_losses": losses}
+    row = {"step_s": step_s, "tokens_per_s": t.seq_len / step_s, "build_s": build_s, "first_step_s": first_step_s,
+           "ce_losses": losses}  # fmt: skip
     if cfg.compile.enable:  # what dynamo compiled: a graph break in a checkpointed block runs that block eagerly
         stats = compile_stats()
         row.update({k: stats[k] for k in ("unique_graphs", "graph_breaks", "graph_break_reasons")})
@@ -197,11 +203,12 @@ def main(argv=None) -> int:
         f"device: {gpu}; flavor {a.flavor}, AC {a.ac}, attention {a.attention_backend}, batch 1, {layout}, "
         f"{'compiled' if compiled else 'eager'}"
     )
-    print(f"{'seq':>8}{'s/step':>9}{'tok/s':>9}{'peak GiB':>10}{'est GiB':>9}{'est act':>9}  status")
+    print(f"{'seq':>8}{'s/step':>9}{'tok/s':>9}{'first s':>9}{'peak GiB':>10}{'est GiB':>9}{'est act':>9}  status")
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
     for r in rows:
         print(
             f"{r['seq_len']:>8}{fmt(r.get('step_s'), '.2f'):>9}{fmt(r.get('tokens_per_s'), '.0f'):>9}"
+            f"{fmt(r.get('first_step_s'), '.1f'):>9}"
             f"{fmt(r.get('peak_gib'), '.1f'):>10}{fmt(r.get('estimate_total_gib'), '.1f'):>9}"
             f"{fmt(r.get('estimate_activation_peak_gib'), '.1f'):>9}  {r['status']}"
             + (f" (estimate: {r['estimate_error']})" if "estimate_error" in r else "")

@@ -22,6 +22,7 @@ def test_long_context_bench_trains_and_estimates_on_cpu(tmp_path):
         assert r["status"] == "ok" and r["ac"] == "long_context", r
         assert r["compile"] is False and "graph_breaks" not in r, r  # the CPU logic test runs eagerly by default
         assert r["tokens_per_s"] > 0 and len(r["ce_losses"]) == 1 and r["peak_gib"] is None
+        assert r["build_s"] > 0 and r["first_step_s"] == r["step_s"]  # one step: the timed one
         assert 0 < r["estimate_activation_peak_gib"] < r["estimate_total_gib"] and r["estimate_fits"]
     assert not dist.is_initialized()  # the bench's process group is gone: later dry runs in this process work
 
