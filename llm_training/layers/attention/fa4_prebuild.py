@@ -54,8 +54,10 @@ MANY_DOCUMENTS_MIN_TOKENS = 65536
 
 @dataclass(frozen=True)
 class Fa4AttentionKind:
-    """One kind of attention call that compiles its own flash-attn-4 kernels (the fields of their compile keys that
-    depend on the layer: heads, head dims, window)."""
+    """One kind of attention call of the model (heads, head dims, window). Its flash-attn-4 compile keys hold the head
+    dims, the query heads per KV head and whether there is a window, not the window's width (measured on an H100:
+    window 64 loaded window 128's kernels), so two windows of other widths share kernels and the second one builds
+    nothing in the side process."""
 
     n_heads: int
     n_kv_heads: int
