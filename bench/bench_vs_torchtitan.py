@@ -25,8 +25,9 @@ them in the compiled groups with that [compile] granularity ("...+block@accum": 
 default auto, which compiles the attention and feed-forward halves apart without activation checkpointing: first
 step, step time, memory). `--warm-restart` runs each
 compiled case once more over the compile caches of its first run, as a restarted run with [compile] cache_folder
-starts: the table adds its first-step time. `--size tiny` runs every case at the tiny CPU shape (motif3_debug and its matched DeepSeek-V3)
-for a smoke test.
+starts: the table adds its first-step time. `--size proxy_16e` is the proxy with 16 experts and 32K tokens per accum
+step (fits one 80 GiB H100); `--size tiny` runs every case at the tiny CPU shape (motif3_debug and its matched
+DeepSeek-V3) for a smoke test.
 
     python bench/bench_vs_torchtitan.py                         # all groups at the proxy shape (GPU)
     python bench/bench_vs_torchtitan.py --cases compiled,accum  # a subset
@@ -74,6 +75,14 @@ class Size:
 SIZES = {
     "proxy": Size(
         "motif3_proxy", "motif3_proxy_nomtp", 4096, "cuda", {"eager": (2, 1), "compiled": (4, 1), "accum": (4, 4)}
+    ),
+    # motif3_proxy with 16 experts and half the micro-batch (32K tokens per accum step): fits one 80 GiB H100.
+    "proxy_16e": Size(
+        "motif3_proxy_16e",
+        "motif3_proxy_16e_nomtp",
+        4096,
+        "cuda",
+        {"eager": (2, 1), "compiled": (2, 1), "accum": (2, 4)},
     ),
     "tiny": Size(
         "motif3_debug", "motif3_debug_nomtp", 64, "auto", {"eager": (2, 1), "compiled": (2, 1), "accum": (2, 2)}

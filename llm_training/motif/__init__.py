@@ -26,6 +26,8 @@ MODEL_FLAVORS: dict[str, Motif3ModelArgs] = {
     "motif3_seq_256k_mtp1_sft": _MOTIF3_SEQ.replace(max_seq_len=262144, num_nextn_predict_layers=1),
     # Benchmark proxy: exact motif3_seq layer shapes and vocabulary, 4 layers (2 dense + 2 MoE), 64 experts.
     "motif3_proxy": _MOTIF3_SEQ.replace(num_hidden_layers=4, num_experts=64),
+    # The same with 16 experts (2.91B): the benchmark proxy whose optimizer state and activations fit one 80 GiB H100.
+    "motif3_proxy_16e": _MOTIF3_SEQ.replace(num_hidden_layers=4, num_experts=16),
     # ~2.0B total / ~0.77B active: one H200 with room for 4K x 8 sequences.
     "motif3_small": Motif3ModelArgs(
         hidden_size=1024,
@@ -68,6 +70,7 @@ MODEL_FLAVORS: dict[str, Motif3ModelArgs] = {
 }
 # Without the MTP module: the like-for-like peers of torchtitan's DeepSeek-V3 in bench/bench_vs_torchtitan.py.
 MODEL_FLAVORS["motif3_proxy_nomtp"] = MODEL_FLAVORS["motif3_proxy"].replace(num_nextn_predict_layers=0)
+MODEL_FLAVORS["motif3_proxy_16e_nomtp"] = MODEL_FLAVORS["motif3_proxy_16e"].replace(num_nextn_predict_layers=0)
 MODEL_FLAVORS["motif3_debug_nomtp"] = MODEL_FLAVORS["motif3_debug"].replace(num_nextn_predict_layers=0)
 
 
