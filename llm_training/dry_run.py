@@ -15,8 +15,8 @@ It then prints, per rank, the GPU memory the step needs, from the real objects:
     the parameter dtype);
   * optimizer state, per optimizer group: Muon's momentum (1 x the local shard), AdamW's two moments (2 x), in
     the parameter dtype (both create them with `zeros_like` of the local shard at the first step);
-  * the FSDP2 transients: the root group (embedding, final norm, head) stays unsharded in the compute dtype for
-    the whole step and its gradients unsharded through the backward; the largest other FSDP2 group (a block,
+  * the FSDP2 transients: the root group (final norm, head) and the input embedding's group stay unsharded in
+    the compute dtype for the whole step and their gradients unsharded through the backward; the largest other FSDP2 group (a block,
     or under expert parallelism a block's experts, which are a group of their own) is all-gathered twice over
     (the group computing and the one prefetched) and its gradients exist unsharded in the compute dtype plus the
     reduce-scatter input in the reduce dtype. Where FSDP2 shards over one rank (`ParallelizedModel.defer_grad_sync`)
@@ -135,11 +135,14 @@ class Memory:
 
 @dataclass(frozen=True)
 class FsdpShard:
-    """One FSDP2-managed parameter: its group (module FQN, "" = root), padded local storage, all-gathered size."""
+    """One FSDP2-managed parameter: its group (module FQN, "" = root), padded local storage, all-gathered size, and
+    whether its group stays gathered for the whole step (the root; an input embedding, which `parallelize` keeps
+    unsharded from its forward to its backward)."""
 
     group: str
     padded_numel: int
     unsharded_numel: int
+    kept_gathered: bool = False
 
 
 def fsdp_shards(model: nn.Module) -> dict[int, FsdpShard]:
@@ -151,9 +154,10 @@ def fsdp_shards(model: nn.Module) -> dict[int, FsdpShard]:
         if not isinstance(module, FSDPModule):
             continue
         group = module._get_fsdp_state()._fsdp_param_group
+        kept = fqn == "" or isinstance(module, nn.Embedding)
         for fp in group.fsdp_params if group is not None else ():
             padded = fp.padded_sharded_param_size.numel()
-            out[id(fp.sharded_param)] = FsdpShard(fqn, padded, padded * fp.mesh_info.shard_mesh_size)
+            out[id(fp.sharded_param)] = FsdpShard(fqn, padded, padded * fp.mesh_info.shard_mesh_size, kept)
     return out
 
 
@@ -236,22 +240,22 @@ def optimizer_memory(optimizers) -> list[OptimizerGroupMemory]:
 class FsdpTransients:
     """Unsharded FSDP2 buffers (see the module docstring); sizes in elements of one group, bytes as counted."""
 
-    root_numel: int
+    kept_numel: int  # the groups gathered for the whole step: the root and the input embedding
     largest_block: str
     largest_block_numel: int
     compute_dtype: torch.dtype  # of the gathered parameters and their gradients
     reduce_dtype: torch.dtype  # of the gradient reduce-scatter
-    blocks_numel: int = 0  # every non-root group together
+    blocks_numel: int = 0  # every other group together
     gathered_for_the_step: bool = False  # one-rank shards: every group stays gathered through the step
 
     @property
     def gathered_numel(self) -> int:
-        """Elements of the non-root groups gathered at the peak: two groups, or all of them for the step."""
+        """Elements of the other groups gathered at the peak: two groups, or all of them for the step."""
         return self.blocks_numel if self.gathered_for_the_step else 2 * self.largest_block_numel
 
     @property
-    def root_bytes(self) -> int:
-        return 2 * self.root_numel * self.compute_dtype.itemsize  # parameters and gradients
+    def kept_bytes(self) -> int:
+        return 2 * self.kept_numel * self.compute_dtype.itemsize  # parameters and gradients
 
     @property
     def all_gather_bytes(self) -> int:
@@ -263,21 +267,22 @@ class FsdpTransients:
 
     @property
     def bytes(self) -> int:
-        return self.root_bytes + self.all_gather_bytes + self.reduce_scatter_bytes
+        return self.kept_bytes + self.all_gather_bytes + self.reduce_scatter_bytes
 
 
 def fsdp_transients(
     shards: dict[int, FsdpShard], compute: torch.dtype, reduce: torch.dtype, gathered_for_the_step: bool = False
 ) -> FsdpTransients:
-    per_group: dict[str, int] = defaultdict(int)
+    kept, blocks = 0, defaultdict(int)
     for s in shards.values():
-        per_group[s.group] += s.unsharded_numel
-    blocks = {g: n for g, n in per_group.items() if g != ""}
+        if s.kept_gathered:
+            kept += s.unsharded_numel
+        else:
+            blocks[s.group] += s.unsharded_numel
     largest = max(blocks, key=blocks.get) if blocks else ""
     return FsdpTransients(
-        per_group.get("", 0), largest, blocks.get(largest, 0), compute, reduce, sum(blocks.values()),
-        gathered_for_the_step,
-    )  # fmt: skip
+        kept, largest, blocks.get(largest, 0), compute, reduce, sum(blocks.values()), gathered_for_the_step
+    )
 
 
 @dataclass(frozen=True)
@@ -424,7 +429,7 @@ def format_rank(r: RankReport) -> str:
             )
         )
     lines += [
-        _row("+ FSDP2 root group unsharded, params + grads", f.root_bytes, f"2 x {f.root_numel:,} in {compute}"),
+        _row("+ FSDP2 root + embedding unsharded, params + grads", f.kept_bytes, f"2 x {f.kept_numel:,} in {compute}"),
         _row(
             "+ FSDP2 every group gathered for the step"
             if f.gathered_for_the_step

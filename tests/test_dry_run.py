@@ -91,11 +91,11 @@ def test_bf16_muon_momentum_halves_the_muon_state():
 def test_fsdp_transients_of_the_debug_model():
     r = measure_rank(parse("--job.dry_run_world_size=4"), 4, 0)
     a = get_flavor("motif3_debug")
-    root = 2 * a.vocab_size * a.hidden_size + a.hidden_size  # embedding, lm_head, final norm
+    kept = 2 * a.vocab_size * a.hidden_size + a.hidden_size  # the embedding's group; the root: lm_head, final norm
     moe_layer = sum(
         math.prod(s) for n, s in unsharded_debug_params() if n.startswith("layers.2.") and not is_fp32_key(n)
     )
-    assert r.fsdp.root_numel == root and r.fsdp.root_bytes == 2 * root * 2  # bf16 params + grads
+    assert r.fsdp.kept_numel == kept and r.fsdp.kept_bytes == 2 * kept * 2  # bf16 params + grads
     assert r.fsdp.largest_block == "layers.2"  # the first of the (equal) MoE layers
     assert r.fsdp.largest_block_numel == moe_layer and not r.fsdp.gathered_for_the_step
     assert r.fsdp.all_gather_bytes == 2 * 2 * moe_layer  # the group computing and the one prefetched, bf16
@@ -137,7 +137,7 @@ def test_fits_and_does_not_fit(capsys):
         + r.params.replicated.bytes
         + r.params.trainable.bytes
         + sum(g.state_bytes for g in r.optimizer)
-        + r.fsdp.root_bytes
+        + r.fsdp.kept_bytes
         + r.fsdp.all_gather_bytes
         + r.fsdp.reduce_scatter_bytes
         + r.activations.saved_bytes

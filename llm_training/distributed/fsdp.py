@@ -1,8 +1,14 @@
 """FSDP2 with summed gradients, and the gradient all-reduce of the parameters kept out of it.
 
-`apply_fsdp(model, blocks, mesh, mp_policy, replicated_param_names, expert_modules, expert_mesh)` shards every block,
-then the root (embedding, final norm, head: the root stays unsharded after forward, so a loss can read the head
-weight directly), over `mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP). Parameters named in
+`apply_fsdp(model, blocks, mesh, mp_policy, replicated_param_names, expert_modules, expert_mesh, embedding)` shards
+the input embedding (a group of its own, kept gathered from its forward to its backward, as the root is: the MTP
+modules call it again after the trunk), every block, then the root (final norm, head, whatever no
+block holds: the root stays unsharded after forward, so a loss can read the head weight directly), over `mesh` (1-D:
+FSDP; 2-D (replicate, shard): HSDP). The embedding is not left in the root because FSDP2 reduces a group's gradients
+through one flat fp32 buffer as large as the group: with both [V, H] matrices in it that buffer is 2 x 3.4 GiB at
+Motif-3's vocabulary, allocated on every rank after the backward, when the freed activations leave holes of the
+head's size, not of twice it (one H100, bench_vs_torchtitan --size proxy_16e, session 20: the root's 6.72 GiB
+request grew the reserve by 5.76 GiB with 16.9 GiB free). Parameters named in
 `replicated_param_names` stay out of FSDP2 (`ignored_params`): full, in their own dtype, on every rank;
 `ReplicatedGradSync` all-reduces their gradients.
 
@@ -32,9 +38,10 @@ def apply_fsdp(
     replicated_param_names: list[str],
     expert_modules: list[nn.Module] = (),
     expert_mesh=None,
+    embedding: nn.Module | None = None,
 ) -> None:
-    """fully_shard each expert module over `expert_mesh`, each block, then the root, over `mesh`; the named
-    parameters are left out (replicated)."""
+    """fully_shard each expert module over `expert_mesh`, then `embedding`, each block and the root over `mesh`;
+    the named parameters are left out (replicated)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     ignored = {model.get_parameter(name) for name in replicated_param_names}
@@ -42,6 +49,14 @@ def apply_fsdp(
         raise ValueError("apply_fsdp: expert modules given without the expert mesh to shard them over")
     for experts in expert_modules:  # inner groups first: each lies inside one of the blocks
         fully_shard(experts, mesh=expert_mesh, mp_policy=mp_policy, ignored_params=ignored & set(experts.parameters()))
+    if embedding is not None:
+        fully_shard(
+            embedding,
+            mesh=mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=False,
+            ignored_params=ignored & set(embedding.parameters()),
+        )
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored & set(block.parameters()))
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored)

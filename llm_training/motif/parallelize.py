@@ -14,8 +14,8 @@ Order (fixed; each step wraps what the previous ones produced, so it cannot be r
                                   compiled just before
                                   (distributed.compile.compile_in_pieces), so the checkpoint stays outside dynamo
     4. torch.compile              distributed.compile.apply_compile (per block, regional, over the checkpoint)
-    5. FSDP2                      distributed.fsdp.apply_fsdp (expert modules over expert_grad_mesh, blocks, then
-                                  the root), SUM gradient reduction; over a one-rank mesh the reduction runs on the
+    5. FSDP2                      distributed.fsdp.apply_fsdp (expert modules over expert_grad_mesh, the
+                                  embedding, the blocks, then the root), SUM gradient reduction; over a one-rank mesh the reduction runs on the
                                   compute stream (distributed.fsdp.reduce_on_compute_stream)
 
 Use (docs/architecture.md §2 step 3; the model spec's `parallelize`):
@@ -26,8 +26,9 @@ Use (docs/architecture.md §2 step 3; the model spec's `parallelize`):
     ... after the backward passes of a step: parallel.sync_replicated_grads()
 
 Choices:
-  * Blocks are `layers[i]` and `mtp_layers[k]`; the root module (embedding, final norm, lm_head) is its own
-    FSDP2 group.
+  * Blocks are `layers[i]` and `mtp_layers[k]`. The input embedding is an FSDP2 group of its own (as in
+    torchtitan; kept gathered from forward to backward, as the root is) and the root (final norm, lm_head) another: FSDP2 reduces a group through one flat fp32 buffer of
+    its size, and the two [V, H] matrices together would need 6.7 GiB of it at once (`distributed.fsdp`).
   * fp32 parameters (the spec's fp32 rule, `state_dict_adapter.is_fp32_key`: router gate, mHC, PolyNorm
     act_fn) are kept OUT of FSDP2: fp32 and replicated on every rank (~2% of motif3_seq's parameters), their
     gradients all-reduced (SUM) by `sync_replicated_grads`. FSDP2's MixedPrecisionPolicy would otherwise hand
@@ -174,7 +175,7 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
     expert_names = set(expert_plan.expert_param_names) if expert_plan else set()
     expert_modules = [m.experts for m in model.modules() if isinstance(m, MoE)] if expert_plan else []
     expert_mesh = expert_grad_mesh(parallel_dims) if expert_plan else None
-    apply_fsdp(model, blocks(model), fsdp_mesh, mp, replicated, expert_modules, expert_mesh)
+    apply_fsdp(model, blocks(model), fsdp_mesh, mp, replicated, expert_modules, expert_mesh, model.embed_tokens)
     single_shard = mesh["dp_shard_cp"].size() == 1
     if single_shard:  # one all-gather per optimizer step (ParallelizedModel.defer_grad_sync)
         model.set_reshard_after_forward(False)
