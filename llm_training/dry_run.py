@@ -429,7 +429,7 @@ def format_rank(r: RankReport) -> str:
             )
         )
     lines += [
-        _row("+ FSDP2 root + embedding unsharded, params + grads", f.kept_bytes, f"2 x {f.kept_numel:,} in {compute}"),
+        _row("+ FSDP2 root + embedding, params + grads", f.kept_bytes, f"2 x {f.kept_numel:,} in {compute}"),
         _row(
             "+ FSDP2 every group gathered for the step"
             if f.gathered_for_the_step
