@@ -77,6 +77,13 @@ def _worker(rank, world, port, path, dp_replicate=1):
         # pure replication (dp_shard = 1) still needs FSDP2's gradient reduction (HSDP over a 1-rank shard dim)
         assert parallel.fsdp and isinstance(model.layers[0].self_attn.wq_b.weight, DTensor)
         assert not isinstance(model.layers[2].moe.router.gate.weight, DTensor)  # fp32, replicated
+        # the input embedding is an FSDP2 group of its own (not in the root's flat gradient buffer), kept gathered
+        # from its forward to its backward like the root (the MTP module embeds again after the trunk)
+        root_params = {id(fp.sharded_param) for fp in model._get_fsdp_state()._fsdp_param_group.fsdp_params}
+        embedding_group = model.embed_tokens._get_fsdp_state()._fsdp_param_group
+        assert id(model.embed_tokens.weight) not in root_params and root_params
+        assert [fp.sharded_param for fp in embedding_group.fsdp_params] == [model.embed_tokens.weight]
+        assert embedding_group.post_forward_mesh_info is None
         mine = _batch().map(lambda t: t[2 * rank : 2 * rank + 2])
         normalisers = count_labelled_tokens(mine.targets())
         dist.all_reduce(normalisers)
