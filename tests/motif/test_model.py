@@ -32,7 +32,9 @@ def test_layer_types_for_the_53_layer_shape():
     assert model.mtp_layers[0].self_attn.window == 128
 
 
-@pytest.mark.parametrize("flavor", ["motif3_small", "motif3_proxy", "motif3_seq", "motif3_seq_256k_mtp1_sft"])
+@pytest.mark.parametrize(
+    "flavor", ["motif3_small", "motif3_proxy", "motif3_proxy_16e", "motif3_seq", "motif3_seq_256k_mtp1_sft"]
+)
 def test_param_count_meta(flavor):
     a = get_flavor(flavor)
     with torch.device("meta"):
