@@ -1,14 +1,13 @@
 """FSDP2 with summed gradients, and the gradient all-reduce of the parameters kept out of it.
 
 `apply_fsdp(model, blocks, mesh, mp_policy, replicated_param_names, expert_modules, expert_mesh, embedding)` shards
-the input embedding (a group of its own, kept gathered from its forward to its backward, as the root is: the MTP
-modules call it again after the trunk), every block, then the root (final norm, head, whatever no
-block holds: the root stays unsharded after forward, so a loss can read the head weight directly), over `mesh` (1-D:
-FSDP; 2-D (replicate, shard): HSDP). The embedding is not left in the root because FSDP2 reduces a group's gradients
-through one flat fp32 buffer as large as the group: with both [V, H] matrices in it that buffer is 2 x 3.4 GiB at
-Motif-3's vocabulary, allocated on every rank after the backward, when the freed activations leave holes of the
-head's size, not of twice it (one H100, bench_vs_torchtitan --size proxy_16e, session 20: the root's 6.72 GiB
-request grew the reserve by 5.76 GiB with 16.9 GiB free). Parameters named in
+the input embedding, every block, then the root (final norm, head, whatever no block holds), over `mesh` (1-D: FSDP;
+2-D (replicate, shard): HSDP). The root stays unsharded after forward, so a loss can read the head weight directly;
+so does the embedding (the MTP modules call it again after the trunk). The embedding is a group of its own because
+FSDP2 reduces a group's gradients through one flat fp32 buffer of the group's size: with both [V, H] matrices that
+is 2 x 3.4 GiB at Motif-3's vocabulary, on every rank after the backward, when the freed activations leave holes of
+one matrix's size (one H100, bench_vs_torchtitan --size proxy_16e, session 20: that 6.72 GiB request grew the
+reserve by 5.76 GiB with 16.9 GiB free; 74.3 -> 67.4 GiB reserved with the split). Parameters named in
 `replicated_param_names` stay out of FSDP2 (`ignored_params`): full, in their own dtype, on every rank;
 `ReplicatedGradSync` all-reduces their gradients.
 

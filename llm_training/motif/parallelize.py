@@ -15,8 +15,9 @@ Order (fixed; each step wraps what the previous ones produced, so it cannot be r
                                   (distributed.compile.compile_in_pieces), so the checkpoint stays outside dynamo
     4. torch.compile              distributed.compile.apply_compile (per block, regional, over the checkpoint)
     5. FSDP2                      distributed.fsdp.apply_fsdp (expert modules over expert_grad_mesh, the
-                                  embedding, the blocks, then the root), SUM gradient reduction; over a one-rank mesh the reduction runs on the
-                                  compute stream (distributed.fsdp.reduce_on_compute_stream)
+                                  embedding, the blocks, then the root), SUM gradient reduction; over a one-rank
+                                  mesh the reduction runs on the compute stream
+                                  (distributed.fsdp.reduce_on_compute_stream)
 
 Use (docs/architecture.md §2 step 3; the model spec's `parallelize`):
     with torch.device("meta"): model = Motif3Model(args)
@@ -27,8 +28,9 @@ Use (docs/architecture.md §2 step 3; the model spec's `parallelize`):
 
 Choices:
   * Blocks are `layers[i]` and `mtp_layers[k]`. The input embedding is an FSDP2 group of its own (as in
-    torchtitan; kept gathered from forward to backward, as the root is) and the root (final norm, lm_head) another: FSDP2 reduces a group through one flat fp32 buffer of
-    its size, and the two [V, H] matrices together would need 6.7 GiB of it at once (`distributed.fsdp`).
+    torchtitan; kept gathered from forward to backward, as the root is) and the root (final norm, lm_head)
+    another: FSDP2 reduces a group through one flat fp32 buffer of its size, and the two [V, H] matrices together
+    would need 6.7 GiB of it at once (`distributed.fsdp`).
   * fp32 parameters (the spec's fp32 rule, `state_dict_adapter.is_fp32_key`: router gate, mHC, PolyNorm
     act_fn) are kept OUT of FSDP2: fp32 and replicated on every rank (~2% of motif3_seq's parameters), their
     gradients all-reduced (SUM) by `sync_replicated_grads`. FSDP2's MixedPrecisionPolicy would otherwise hand
