@@ -168,6 +168,67 @@ def test_checkpointed_blocks_compile_whole_on_cuda_with_flash_attn_4():
     assert rel(*grads) < 6e-2
 
 
+def _packed_documents(n_docs: int, batch: int, seq_len: int, device="cpu") -> torch.Tensor:
+    """Document ids [batch, seq_len]: `n_docs` documents of about equal length per row."""
+    return (torch.arange(seq_len, device=device) * n_docs // seq_len).expand(batch, seq_len).contiguous()
+
+
+def test_a_new_document_count_compiles_nothing_new(monkeypatch):
+    """With documents, flash-attn-4's varlen kernels read cu_seqlens [N + 1], N the micro-batch's document count,
+    which packed chat data changes from batch to batch. Compiled code must not specialise on N: before
+    `build_attention_metadata` marked that size dynamic, every compiled block compiled again at the first batch
+    with another N (2 frames became 4 here, the whole attention graph of every kind twice in a real run's first
+    steps). Emulated fa4, aot_eager; the outputs equal the eager model's."""
+    from tests.fa4_emulation import install_emulated_fa4
+
+    install_emulated_fa4(monkeypatch)
+    torch.manual_seed(0)
+    eager = Motif3Model(ARGS, attention_backend="fa4")
+    eager.init_weights()
+    compiled = copy.deepcopy(eager)
+    apply_compile(blocks(compiled), backend="aot_eager")
+    ids = torch.randint(0, ARGS.vocab_size, (2, 32))
+    frames = []
+    for n_docs in (2, 3, 5):
+        docs = _packed_documents(n_docs, *ids.shape)
+        got, want = compiled(ids, document_ids=docs), eager(ids, document_ids=docs)
+        got.logits.float().logsumexp(-1).mean().backward()
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-6)
+        frames.append(compile_stats()["compiled_frames"])
+    assert frames == [2, 2, 2], frames  # full and sliding blocks, compiled once each
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_new_document_count_compiles_nothing_new_on_cuda():
+    """The CPU test above with real flash-attn-4's varlen kernels, inductor and bf16: batches of 2, 3 and 5
+    documents per row run the graphs the first one compiled, and the compiled logits are the eager model's up to
+    bf16 rounding (bound as in the whole-block test above, 3e-2)."""
+    from llm_training.layers.attention.fa4 import fa4_unavailable_reason
+
+    reason = fa4_unavailable_reason("cuda")
+    if reason is not None:
+        pytest.skip(reason)
+    args = ARGS.replace(head_dim=96, qk_rope_head_dim=32, v_head_dim=64)  # head dims FA4's backward compiles
+    torch.manual_seed(0)
+    eager = Motif3Model(args, attention_backend="fa4")
+    eager.init_weights()
+    eager = eager.to(device="cuda", dtype=torch.bfloat16)
+    compiled = copy.deepcopy(eager)
+    apply_compile(blocks(compiled))
+    ids = torch.randint(0, args.vocab_size, (2, 256), device="cuda")
+    frames = []
+    for n_docs in (2, 3, 5):
+        docs = _packed_documents(n_docs, *ids.shape, device="cuda")
+        with torch.no_grad():
+            want = eager(ids, document_ids=docs).logits.float()
+        got = compiled(ids, document_ids=docs).logits
+        got.float().logsumexp(-1).mean().backward()
+        assert ((got.float() - want).norm() / want.norm()).item() < 3e-2
+        frames.append(compile_stats()["compiled_frames"])
+    assert frames == [2, 2, 2], frames
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_expert_parallel_moe_blocks_compile_in_pieces_on_cuda(free_port):

@@ -322,6 +322,9 @@ def build_attention_metadata(
         from llm_training.layers.attention.fa4 import document_cu_seqlens
 
         cu_seqlens, max_seqlen = document_cu_seqlens(document_ids_BS), document_ids_BS.shape[1]
+        # The document count N changes from batch to batch: a size compiled code must not specialise on (it only
+        # reaches the opaque kernel ops), else each compiled block recompiles at the first batch of another N
+        torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
     return AttentionMetadata(
         document_ids=document_ids_BS,
         flex_block_masks=masks,
