@@ -235,6 +235,21 @@ def compile_stats(max_reasons: int = 8) -> dict:
     }
 
 
+def compiled_since(seen: dict, now: dict) -> str | None:
+    """What dynamo compiled between two `compile_stats()` snapshots, as the end of a log line (None: nothing): the
+    frames and the guard failures that are new in `now`. After the first step a compiled step should compile
+    nothing; each recompile costs that graph's compile again (seconds to minutes) and, past dynamo's recompile limit,
+    runs the frame eagerly."""
+    frames = now["compiled_frames"] - seen["compiled_frames"]
+    if frames <= 0:
+        return None
+    new = [r for r in now["guard_failures"] if r not in seen["guard_failures"]]
+    return (
+        f"compiled {frames} more frame(s) ({now['recompiles']} recompiles in all); guard failures new since then: "
+        f"{'; '.join(new) or 'none recorded'} (TORCH_LOGS=recompiles prints them as they happen)"
+    )
+
+
 def compile_report(stats: dict, blocks_in_pieces: int = 0) -> tuple[str, str | None]:
     """(one line of what dynamo compiled, a warning or None) from `compile_stats()`, for the log after a run's first
     step. The warning: no graph at all (compile is on, but the blocks ran eagerly) or any graph break (a break splits

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from llm_training.config import grad_accumulation_steps, to_toml
-from llm_training.distributed.compile import compile_progress, compile_report, compile_stats
+from llm_training.distributed.compile import compile_progress, compile_report, compile_stats, compiled_since
 from llm_training.distributed.context_parallel import shard_batch
 from llm_training.distributed.utils import all_reduce_, clip_grad_norm_, rank, world_size
 from llm_training.layers.attention.fa4_prebuild import start_fa4_prebuild
@@ -63,6 +63,9 @@ from llm_training.trainer.spikes import LossSpikeDetector
 from llm_training.trainer.validation import Validator
 
 logger = logging.getLogger(__name__)
+
+# guard failures kept per compile_stats() snapshot: enough to see every new one between two steps
+_COMPILE_REASONS = 64
 
 OOM_HINT = (
     "reduce memory with: training.local_batch_size (raise training.global_batch_size / local for accumulation), "
@@ -439,6 +442,16 @@ class Trainer:
             step, reason, loss, d.averages()[0], action, d.consecutive, d.total,
         )  # fmt: skip
 
+    @staticmethod
+    def _log_compiled_since(seen: dict, when: str, level: int) -> dict:
+        """Log at `level` what dynamo compiled since the snapshot `seen` (`compiled_since`), if anything; returns
+        the new snapshot."""
+        now = compile_stats(_COMPILE_REASONS)
+        line = compiled_since(seen, now)
+        if line is not None:
+            logger.log(level, "[compile] %s %s", when, line)
+        return now
+
     def _after_spike(self, step: int, metrics: MetricsLogger) -> None:
         """Stop after `max_consecutive` spikes in a row; with policy "rollback", reload the last checkpoint."""
         ls = self.job_config.loss_spike
@@ -497,6 +510,7 @@ class Trainer:
         self.train_state.wandb_run_id = run_id[0]
         profiler = StepProfiler(c.profiling, self.run_folder, self.rank, self.device)
         losses: dict[int, float] = {}
+        compiled = None  # rank 0's compile_stats() after the last report (compile on), from the first step on
         data = iter(self.dataloader)
         self._stop_requested = False
         self.stop_signal.install()
@@ -524,10 +538,13 @@ class Trainer:
                     ) from e
                 rec.step_time_s = time.perf_counter() - t0
                 if compiling:
+                    compiled = compile_stats(_COMPILE_REASONS)
                     line, warning = compile_report(compile_stats(), self.parallel.blocks_compiled_in_pieces)
                     logger.info(line)
                     if warning:
                         logger.warning(warning)
+                elif compiled is not None:  # a later step should compile nothing: say what did, and why
+                    compiled = self._log_compiled_since(compiled, f"step {step}", logging.WARNING)
                 losses[step] = float("nan") if rec.skipped else rec.loss
                 metrics.record(rec)
                 if rec.spike:
@@ -548,6 +565,8 @@ class Trainer:
                     break
                 if self.validator is not None and (step % c.validation.freq == 0 or step == c.training.steps):
                     metrics.record_validation(step, self.validator.evaluate(self.model, step).metrics())
+                    if compiled is not None:  # the first evaluation compiles its no-grad graphs: expected
+                        compiled = self._log_compiled_since(compiled, f"validation at step {step}", logging.INFO)
                 if not (rec.skipped or rec.spike) and step % c.checkpoint.interval == 0 and step < c.training.steps:
                     self._save()
                     self._export_hf_if_due(step)

@@ -301,13 +301,44 @@ def test_first_step_logs_what_compile_did_and_warns_on_graph_breaks(make_config,
         "graph_break_reasons": ["2x Skip calling `torch.compiler.disable()`d function"],
     }  # fmt: skip
     monkeypatch.setattr(parallelize, "apply_compile", lambda blocks, sublayers=False: None)
-    monkeypatch.setattr(trainer_module, "compile_stats", lambda: stats)
+    monkeypatch.setattr(trainer_module, "compile_stats", lambda max_reasons=8: stats)
     with caplog.at_level("INFO"):
         train(make_config("--compile.enable", "--training.steps=2", "--checkpoint.interval=2"), DIMS, CPU)
     lines = [r for r in caplog.records if r.getMessage().startswith("[compile] ")]
-    assert [r.levelname for r in lines] == ["INFO", "WARNING"], [r.getMessage() for r in lines]
+    assert [r.levelname for r in lines] == ["INFO", "WARNING"], [r.getMessage() for r in lines]  # step 2: nothing
     assert lines[0].getMessage() == (
         "[compile] first step: 1 graphs from 3 frames (1 recompiles), 2 graph breaks; forward compile 1.5 s, "
         "backward 0.5 s"
     )
     assert "broke a graph 2 times" in lines[1].getMessage() and "2x Skip calling" in lines[1].getMessage()
+
+
+def test_a_later_step_that_compiles_is_named_with_its_guard_failure(make_config, monkeypatch, caplog):
+    """A compiled step after the first should compile nothing (each recompile costs that graph's compile again and,
+    past dynamo's recompile limit, runs it eagerly): the trainer warns at the step that did, with the guard failures
+    new since the step before (how a batch with another document count recompiled every block, before cu_seqlens'
+    size was made dynamic). Dynamo's counters are stood in for, as above."""
+    from llm_training.motif import parallelize
+    from llm_training.trainer import trainer as trainer_module
+
+    first = {
+        "compiled_frames": 2, "unique_graphs": 2, "graph_breaks": 0, "recompiles": 1,
+        "guard_failures": ["forward: 0/0: window is None"],
+        "compile_time_s": {"total_forward_s": 1.5, "total_backward_s": 0.5}, "graph_break_reasons": [],
+    }  # fmt: skip
+    later = {**first, "compiled_frames": 4, "recompiles": 3}
+    later["guard_failures"] = [*first["guard_failures"], "forward: 0/1: tensor 'cu_seqlens' size mismatch at index 0"]
+    snapshots = iter([first, first, first, later, later])  # first step: snapshot + report; steps 2, 3, 4
+    monkeypatch.setattr(parallelize, "apply_compile", lambda blocks, sublayers=False: None)
+    monkeypatch.setattr(trainer_module, "compile_stats", lambda max_reasons=8: next(snapshots))
+    with caplog.at_level("INFO"):
+        train(make_config("--compile.enable", "--training.steps=4", "--checkpoint.interval=4"), DIMS, CPU)
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.getMessage().startswith("[compile] ")]
+    assert lines[1:] == [
+        (
+            "WARNING",
+            "[compile] step 3 compiled 2 more frame(s) (3 recompiles in all); guard failures new since then: "
+            "forward: 0/1: tensor 'cu_seqlens' size mismatch at index 0 (TORCH_LOGS=recompiles prints them as they "
+            "happen)",
+        )
+    ], lines
