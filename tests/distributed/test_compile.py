@@ -124,6 +124,22 @@ def test_checkpointed_blocks_compile_whole_with_flash_attn_4(mode, monkeypatch):
         torch.testing.assert_close(p_c.grad, p_e.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def _fa4_models_on_cuda():
+    """(args, eager model, a copy to compile): ARGS at head dims FA4's backward compiles, fa4 backend, bf16 on CUDA;
+    skips the test where flash-attn-4 cannot run."""
+    from llm_training.layers.attention.fa4 import fa4_unavailable_reason
+
+    reason = fa4_unavailable_reason("cuda")
+    if reason is not None:
+        pytest.skip(reason)
+    args = ARGS.replace(head_dim=96, qk_rope_head_dim=32, v_head_dim=64)
+    torch.manual_seed(0)
+    eager = Motif3Model(args, attention_backend="fa4")
+    eager.init_weights()
+    eager = eager.to(device="cuda", dtype=torch.bfloat16)
+    return args, eager, copy.deepcopy(eager)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_checkpointed_blocks_compile_whole_on_cuda_with_flash_attn_4():
@@ -132,17 +148,8 @@ def test_checkpointed_blocks_compile_whole_on_cuda_with_flash_attn_4():
     nothing breaks, and the compiled logits and max logits are the eager model's up to bf16 rounding (the two
     round at different points: inductor fuses; relative error about 10 roundings of 2^-9 deep, bound 3e-2)."""
     from llm_training.distributed.activation_checkpoint import apply_ac
-    from llm_training.layers.attention.fa4 import fa4_unavailable_reason
 
-    reason = fa4_unavailable_reason("cuda")
-    if reason is not None:
-        pytest.skip(reason)
-    args = ARGS.replace(head_dim=96, qk_rope_head_dim=32, v_head_dim=64)  # head dims FA4's backward compiles
-    torch.manual_seed(0)
-    eager = Motif3Model(args, attention_backend="fa4")
-    eager.init_weights()
-    eager = eager.to(device="cuda", dtype=torch.bfloat16)
-    compiled = copy.deepcopy(eager)
+    args, eager, compiled = _fa4_models_on_cuda()
     apply_ac(blocks(compiled), "full")
     apply_compile(blocks(compiled))
     ids = torch.randint(0, args.vocab_size, (2, 256), device="cuda")
@@ -204,17 +211,7 @@ def test_a_new_document_count_compiles_nothing_new_on_cuda():
     """The CPU test above with real flash-attn-4's varlen kernels, inductor and bf16: batches of 2, 3 and 5
     documents per row run the graphs the first one compiled, and the compiled logits are the eager model's up to
     bf16 rounding (bound as in the whole-block test above, 3e-2)."""
-    from llm_training.layers.attention.fa4 import fa4_unavailable_reason
-
-    reason = fa4_unavailable_reason("cuda")
-    if reason is not None:
-        pytest.skip(reason)
-    args = ARGS.replace(head_dim=96, qk_rope_head_dim=32, v_head_dim=64)  # head dims FA4's backward compiles
-    torch.manual_seed(0)
-    eager = Motif3Model(args, attention_backend="fa4")
-    eager.init_weights()
-    eager = eager.to(device="cuda", dtype=torch.bfloat16)
-    compiled = copy.deepcopy(eager)
+    args, eager, compiled = _fa4_models_on_cuda()
     apply_compile(blocks(compiled))
     ids = torch.randint(0, args.vocab_size, (2, 256), device="cuda")
     frames = []
