@@ -52,16 +52,28 @@ DEFAULT_CASES = [
 ]
 
 
+# documents per row of a random micro-batch: drawn per row from this range, 2 on average (the fixed 2 of earlier
+# sessions), so the micro-batch's document count changes as packed chat data changes it
+DOCUMENTS_PER_ROW = (1, 3)
+
+
 def random_batch(batch: int, seq_len: int, vocab: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random tokens packed as 2 documents per row (exercises the document mask), next-token labels."""
+    """Random tokens packed as 1 to 3 documents per row (count and cut points drawn per row from `gen`, each document
+    at least 2 tokens), positions restarting per document, next-token labels within each document only."""
     ids = torch.randint(0, vocab, (batch, seq_len), generator=gen)
-    half = seq_len // 2
-    pos = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).expand(batch, seq_len).contiguous()
-    doc = torch.cat([torch.zeros(half, dtype=torch.long), torch.ones(seq_len - half, dtype=torch.long)])
-    doc = doc.expand(batch, seq_len).contiguous()
+    doc = torch.empty(batch, seq_len, dtype=torch.long)
+    lo, hi = DOCUMENTS_PER_ROW
+    for row in range(batch):
+        n_docs = int(torch.randint(lo, hi + 1, (), generator=gen))
+        cuts = (torch.randperm(seq_len // 2 - 1, generator=gen)[: n_docs - 1] + 1).sort().values * 2  # even: >= 2
+        doc[row] = torch.bucketize(torch.arange(seq_len), cuts, right=True)
+    starts = torch.ones_like(doc, dtype=torch.bool)
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    index = torch.arange(seq_len).expand(batch, seq_len)
+    start_of = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    pos = (index - start_of).contiguous()
     labels = torch.full_like(ids, -100)
-    labels[:, :-1] = ids[:, 1:]
-    labels[:, half - 1] = -100  # no prediction across the document boundary
+    labels[:, :-1] = torch.where(starts[:, 1:], -100, ids[:, 1:])  # no prediction across a document boundary
     real = torch.full((batch,), seq_len, dtype=torch.long)  # no padding
     return {"input_ids": ids, "labels": labels, "position_ids": pos, "document_ids": doc, "real_tokens": real}
 
@@ -150,13 +162,14 @@ def time_steps(step_fn, make_step_input, steps: int, warmup: int, device: torch.
     clock on the CPU). Returns the first call's wall seconds (compilation included: the first-step time),
     the timed steps' seconds (after warm-up), and the first call's result. Prints a line as each step starts and
     ends (a benchmark killed by a timeout then shows how far it got, e.g. still in the first, compiling, step), and
-    every 30 s of the first step the compile phases finished so far (`compile_progress`). On CUDA also the
-    allocator's high-water marks (peak allocated and reserved GiB since the caller's last reset) after each step:
-    whether the peak comes from the first, compiling step or from the steady state."""
-    from llm_training.distributed.compile import compile_progress
+    every 30 s of the first step the compile phases finished so far (`compile_progress`), and the frames dynamo
+    compiled after the first step ("later_compiled_frames", 0 when every later step ran the first step's graphs). On
+    CUDA also the allocator's high-water marks (peak allocated and reserved GiB since the caller's last reset) after
+    each step: whether the peak comes from the first, compiling step or from the steady state."""
+    from llm_training.distributed.compile import compile_progress, compile_stats
 
     on_cuda = device.type == "cuda"
-    times_s, first_step_s, first = [], None, None
+    times_s, first_step_s, first, frames_after_first = [], None, None, 0
     high_water = {"peak_alloc_gib_after_step": [], "peak_reserved_gib_after_step": []}
     for i in range(steps + warmup):
         print(f"[time_steps] step {i + 1}/{steps + warmup} starts{' (compiles)' if i == 0 else ''}", flush=True)
@@ -174,12 +187,17 @@ def time_steps(step_fn, make_step_input, steps: int, warmup: int, device: torch.
         print(f"[time_steps] step {i + 1}/{steps + warmup} took {wall:.1f} s", flush=True)
         if i == 0:
             first_step_s, first = wall, result
+            frames_after_first = compile_stats()["compiled_frames"]
         if i >= warmup:
             times_s.append(start.elapsed_time(end) / 1e3 if on_cuda else wall)
         if on_cuda:
             high_water["peak_alloc_gib_after_step"].append(round(torch.cuda.max_memory_allocated() / 2**30, 2))
             high_water["peak_reserved_gib_after_step"].append(round(torch.cuda.max_memory_reserved() / 2**30, 2))
-    return {"times_s": times_s, "first_step_s": first_step_s, "first": first, **(high_water if on_cuda else {})}
+    later = compile_stats()["compiled_frames"] - frames_after_first
+    return {
+        "times_s": times_s, "first_step_s": first_step_s, "first": first, "later_compiled_frames": later,
+        **(high_water if on_cuda else {}),
+    }  # fmt: skip
 
 
 def throughput(tokens_per_step: int, step_s: float, flops_per_token: dict[str, float], peak: float | None) -> dict:

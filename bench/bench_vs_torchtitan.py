@@ -425,6 +425,7 @@ def run_worker(case: Case) -> dict:
         "first_step_s": timed["first_step_s"], "first_ce": first_ce(timed["first"]), "ln_vocab": math.log(vocab),
         "step_times_ms": [t * 1e3 for t in timed["times_s"]], "peak_bf16_tflops": peak / 1e12 if peak else None,
         **peak_memory_gib(device), **compile_stats(), "first_step_jit": jit.summary(),
+        "later_compiled_frames": timed["later_compiled_frames"],
         **{k: v for k, v in timed.items() if k.endswith("_after_step")},
     }  # fmt: skip
     row.update(throughput(case.tokens_per_step, statistics.median(timed["times_s"]), flops, peak))
@@ -614,6 +615,9 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
             f"{_pct(r['mfu_torchtitan']):>8}{_num(r['peak_reserved_gib'], '.1f'):>9}{r['first_step_s']:>7.1f}"
             f"{r['unique_graphs']:>7}{r['recompiles']:>7}{r['case_wall_s']:>7.0f}"
         )
+    for r in rows:
+        if r.get("later_compiled_frames"):  # a step after the first compiled: its time includes that compile
+            lines.append(f"{r['case']:<36}compiled {r['later_compiled_frames']} more frame(s) after the first step")
     for r in rows:
         warm = r.get("warm_restart")
         if warm:

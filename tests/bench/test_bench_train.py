@@ -26,6 +26,32 @@ def test_weak_scaling_divides_tokens_per_gpu_by_the_matching_baseline_row(tmp_pa
     assert rows[1]["scaling_efficiency"] is None and rows[2]["scaling_efficiency"] is None
 
 
+def test_random_batches_pack_a_changing_number_of_documents():
+    """The benchmark's micro-batches pack 1 to 3 documents per row, drawn per row, so the micro-batch's document
+    count changes as packed chat data changes it (a compiled step that specialised on it would compile again: the
+    harness's later_compiled_frames). Positions restart per document; no label crosses a document boundary."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    counts = []
+    for _ in range(8):
+        b = bench_train.random_batch(4, 64, 100, gen)
+        doc, pos, ids, labels = b["document_ids"], b["position_ids"], b["input_ids"], b["labels"]
+        per_row = doc[:, -1] + 1
+        assert ((per_row >= 1) & (per_row <= 3)).all() and (doc[:, 0] == 0).all()
+        assert (doc[:, 1:] - doc[:, :-1]).ge(0).all() and (doc[:, 1:] - doc[:, :-1]).le(1).all()
+        starts = torch.ones_like(doc, dtype=torch.bool)
+        starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+        assert (pos[starts] == 0).all() and (pos[:, 1:][~starts[:, 1:]] == pos[:, :-1][~starts[:, 1:]] + 1).all()
+        lengths = torch.cat([torch.bincount(row) for row in doc])
+        assert lengths.min() >= 2
+        same_doc = ~starts[:, 1:]
+        assert torch.equal(labels[:, :-1][same_doc], ids[:, 1:][same_doc])
+        assert (labels[:, :-1][~same_doc] == -100).all() and (labels[:, -1] == -100).all()
+        counts.append(int(per_row.sum()))
+    assert len(set(counts)) > 1, counts
+
+
 def test_segments_by_stream_sums_each_streams_segments_largest_first():
     gib = 2**30
     snapshot = [

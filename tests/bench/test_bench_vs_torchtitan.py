@@ -163,6 +163,7 @@ def test_tiny_end_to_end_run_writes_rows_and_ratios(tmp_path):
     assert sorted(p.suffix for p in logs.iterdir()) == sorted([".json", ".log"] * len(result["rows"]))
     for row in result["rows"]:
         assert row["tokens_per_s"] > 0 and abs(row["first_ce"] - row["ln_vocab"]) < 1.5
+        assert row["later_compiled_frames"] == 0  # the second step, other documents, ran the first step's graphs
         assert row["gflop_per_token_megatron"] > 0 and row["gflop_per_token_torchtitan"] > 0
     if HAS_TORCHTITAN:
         ours, titan = result["rows"]
