@@ -5,8 +5,8 @@ Two runs of a compiled model's first step (forward + backward of one random micr
 over a fresh compile cache:
   cold       the whole model compiles as a training run's first step does
   prebuilt   first one side process per kind of block (`motif.parallelize.block_kind`: attention window x dense /
-             MoE), all at once: each keeps only its block (the model's `layers` cut to that one; embedding, head
-             and loss as in training, so the block sees the input it sees there), compiles it and steps once into
+             MoE), all at once: each keeps only its block (the model's `layers` cut to that one, after the
+             embedding as in training, so the block sees the input it sees there), compiles it and steps once into
              the shared cache; then the whole model as in "cold"
 and for each the first-step time and inductor's FX-graph cache hits and misses. A prebuilt first step with no
 miss means the side processes produced exactly the graphs training compiles. The plain model path (no FSDP2, no
@@ -72,8 +72,10 @@ def run_worker(flavor: str, layer: int | None, batch: int, seq_len: int) -> dict
     apply_compile(list(model.layers), sublayers=True)
     b = {k: v.to(device) for k, v in random_batch(batch, seq_len, args.vocab_size, torch.Generator()).items()}
     start = time.perf_counter()
-    out = model(b["input_ids"], b["position_ids"], b["document_ids"])
-    out.logits.float().logsumexp(-1).mean().backward()
+    # the blocks' input and gradient as in training; no logits (the head compiles nothing here, and four side
+    # processes' [tokens, vocab] logits would not fit one GPU beside each other)
+    out = model(b["input_ids"], b["position_ids"], b["document_ids"], return_hidden=True)
+    out.hidden.float().square().mean().backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
     fx = counters["inductor"]
