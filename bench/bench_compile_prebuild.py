@@ -104,9 +104,13 @@ def _result(returncode: int, output: str) -> dict:
 
 
 def _cache_env(folder: Path) -> dict:
-    """The environment of a worker whose inductor and Triton caches live in `folder` (fresh per run)."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
-            "TRITON_CACHE_DIR": str(folder / "triton")}  # fmt: skip
+    """The environment of a worker whose compiled-kernel caches (inductor, Triton, flash-attn-4: the trainer's
+    `[compile] cache_folder` layout, `KERNEL_CACHE_VARIABLES`, their persistent caches switched on) live in `folder`,
+    fresh per run."""
+    from llm_training.distributed.compile import CACHE_SWITCHES, KERNEL_CACHE_VARIABLES
+
+    caches = {name: str(folder / sub) for name, sub in KERNEL_CACHE_VARIABLES}
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **caches, **dict.fromkeys(CACHE_SWITCHES, "1")}
 
 
 def measure(flavor: str, batch: int, seq_len: int, timeout_s: float) -> dict:

@@ -18,9 +18,8 @@ It then prints, per rank, the GPU memory the step needs, from the real objects:
   * the FSDP2 transients: the root group (final norm, head) and the input embedding's group stay unsharded in
     the compute dtype for the whole step and their gradients unsharded through the backward; the largest other
     FSDP2 group (a block, or under expert parallelism a block's experts, which are a group of their own) is
-    all-gathered twice over
-    (the group computing and the one prefetched) and its gradients exist unsharded in the compute dtype plus the
-    reduce-scatter input in the reduce dtype. Where FSDP2 shards over one rank (`ParallelizedModel.defer_grad_sync`)
+    all-gathered twice over (the group computing and the one prefetched) and its gradients exist unsharded in the
+    compute dtype plus the reduce-scatter input in the reduce dtype. Where FSDP2 shards over one rank (`ParallelizedModel.defer_grad_sync`)
     every group is gathered once per step and stays gathered through it, so all groups count instead of two;
   * activations: the model family's estimate (`ModelSpec.activation_memory`; Motif-3's formula is in
     motif/activation_memory.py) at local_batch_size x seq_len / cp tokens and the configured activation
