@@ -3,11 +3,13 @@ parameter FQNs never change, and `compile_stats()` reports what dynamo compiled.
 
 Graph reuse: dynamo caches compiled code on the code object it compiled (here `TransformerBlock.forward` /
 `MTPModule.forward`, shared by every instance), guarded on what the trace depended on: tensor shapes, dtypes
-and requires_grad, and the blocks' Python attributes that steer the trace (attention window, dense vs MoE,
-...). Identical blocks therefore share ONE compiled graph; each distinct kind of block (for motif3_proxy: the
-full-attention dense layer 0, the sliding dense layer 1, the sliding MoE layers 2-3, and the MTP block) is one
-more entry, reported as a recompile of the same code with the guard that failed (`TORCH_LOGS=recompiles`
-prints them as they happen). `recompile_limit` is raised to cover every kind of block of a flavor, so a deep
+and requires_grad, and the blocks' Python attributes that steer the trace (dense vs MoE, the attention window
+where the kernel takes it as an int, ...). Identical blocks therefore share ONE compiled graph; each distinct
+kind of block (for motif3_proxy with sdpa / flex attention: the full-attention dense layer 0, the sliding dense
+layer 1, the sliding MoE layers 2-3, and the MTP block) is one more entry, reported as a recompile of the same
+code with the guard that failed (`TORCH_LOGS=recompiles` prints them as they happen). flash-attn-4 reads the
+window from a tensor when it runs (`layers.attention.masks.window_tensor`), so with it full and sliding
+attention are one kind: one attention graph instead of two. `recompile_limit` is raised to cover every kind of block of a flavor, so a deep
 model never falls back to eager silently.
 """
 

@@ -32,6 +32,7 @@ from llm_training.distributed.context_parallel.sharding import SequenceLayout, c
 from llm_training.distributed.context_parallel.halo import halo_attention
 from llm_training.distributed.context_parallel.ring import ring_attention
 from llm_training.distributed.context_parallel.ulysses import ulysses_attention
+from llm_training.layers.attention.masks import window_value
 
 CP_MODES = ("ulysses", "ring")
 
@@ -131,6 +132,7 @@ class ContextParallelAttention:
                 record_max_logits=record_max_logits,
                 group=self.group,
             )
+        window = window_value(window)  # ring / halo run eagerly and slice by it (the int form)
         common = dict(
             scale=scale,
             document_ids=metadata.document_ids,

@@ -53,7 +53,7 @@ def ulysses_attention(
     v_BSKE: torch.Tensor,
     *,
     scale: float,
-    window: Optional[int],
+    window,
     metadata,
     record_max_logits: bool,
     group: dist.ProcessGroup,

@@ -36,6 +36,8 @@ from llm_training.layers.attention.masks import attention_max_logits, repeat_kv,
 
 logger = logging.getLogger(__name__)
 
+_FA4_DTYPES = (torch.bfloat16, torch.float16)  # flash-attn-4 runs half dtypes only
+
 AttentionKernel = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
@@ -231,6 +233,13 @@ def _auto_uses_flex(window: Optional[int], has_documents: bool, device: torch.de
     return device.type == "cuda" and (window is not None or has_documents)
 
 
+def runs_fa4(backend: str, metadata: AttentionMetadata, dtype: torch.dtype) -> bool:
+    """Whether `backend`'s kernel runs flash-attn-4 in this forward for inputs of `dtype`: fa4, or auto where the
+    metadata says the device runs it and the dtype is a half one. Such a kernel takes the tensor form of the window
+    (`masks.window_tensor`): one compiled graph for full and sliding layers."""
+    return backend == "fa4" or (backend == "auto" and metadata.auto_picks_fa4 and dtype in _FA4_DTYPES)
+
+
 def auto_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits):
     """The fastest kernel measured for the device and case:
     - CUDA SM90 / SM100 with flash-attn-4 installed, bf16 / fp16 -> fa4 for every case. Measured on the H200
@@ -244,7 +253,7 @@ def auto_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_ma
     - CPU -> SDPA (CPU kernels)."""
     kw = dict(scale=scale, window=window, metadata=metadata, record_max_logits=record_max_logits)
     if metadata.auto_picks_fa4:
-        if q_BSHD.dtype in (torch.bfloat16, torch.float16):
+        if runs_fa4("auto", metadata, q_BSHD.dtype):
             from llm_training.layers.attention.fa4 import fa4_attention
 
             return fa4_attention(q_BSHD, k_BSKD, v_BSKE, **kw)

@@ -7,7 +7,9 @@ which breaks SDPA and varlen on torch 2.11 / 2.13: docs/dependencies.md).
 
 - causal: `causal=True`; sliding window W: `window_size=(W, 0)`, i.e. key j visible iff i - W <= j <= i
   (W + 1 keys, our convention); FA4 skips key blocks that are fully outside the window, so a W = 128 layer
-  costs O(S * W), not O(S^2).
+  costs O(S * W), not O(S^2). The window may come as an int / None or as its CPU scalar tensor form
+  (`masks.window_tensor`, what GDLAttention passes): the ops read it when they run, so a compiled attention graph
+  serves full and sliding layers alike.
 - packed documents: FA4's varlen kernels over the B*S flattened tokens with the cumulative sequence
   lengths of the documents (`document_cu_seqlens`, built once per forward into the AttentionMetadata); a
   row boundary is a document boundary too. The causal / window mask is then relative to each document.
@@ -53,7 +55,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from llm_training.layers.attention.masks import repeat_kv
+from llm_training.layers.attention.masks import repeat_kv, window_tensor, window_value
 
 GQA_LAYOUTS = ("expand_kv", "pad_v")
 # measured default (module docstring): expanding KV heads beats padding V by 13-16% at the GDLA shape
@@ -173,25 +175,33 @@ def _window_size(window: Optional[int]) -> tuple[Optional[int], Optional[int]]:
     return (None, None) if window is None else (window, 0)
 
 
+def _fa4_window(window_T: Tensor) -> tuple[bool, Optional[int], Optional[int]]:
+    """(causal, left, right) of FA4's kernels for the tensor form of our window (`masks.window_tensor`)."""
+    window = window_value(window_T)
+    return (window is None, *_window_size(window))
+
+
 # flash-attn-4's forward and backward kernel functions (`flash_attn.cute.interface`, the ones its own autograd
 # Functions call) as the custom ops `llm_training::fa4_fwd` / `fa4_bwd`: torch.compile treats each as one opaque
 # node, so a compiled block keeps attention inside its graph (no graph break, no dynamo trace into flash_attn.cute's
 # Python), and the kernels run eagerly with the real tensors. K/V arrive with their KV heads; the ops repeat them
 # `n_rep` times for the kernel call only, and the backward sums dK/dV back over the copies (module docstring).
-# cu_seqlens given: the varlen kernels over flattened [T, H, D] tokens. (No `from __future__ import annotations` in
-# this module: the op schemas are inferred from the annotations.)
+# cu_seqlens given: the varlen kernels over flattened [T, H, D] tokens. The window arrives as a CPU int64 scalar
+# tensor (`masks.window_tensor`), read when the op runs: a compiled attention graph then serves full and sliding
+# layers alike, where an int argument would be a constant of the graph, one graph per window. (No `from __future__
+# import annotations` in this module: the op schemas are inferred from the annotations.)
 @torch.library.custom_op("llm_training::fa4_fwd", mutates_args=())
 def _fa4_fwd_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: Optional[int], scale: float,
-    window: Optional[int], n_rep: int,
+    window: Tensor, n_rep: int,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     _check_inputs(q, v)
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    left, right = _window_size(window)
+    causal, left, right = _fa4_window(window)
     out, lse = _flash_attn_fwd(
         q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-        max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=window is None, softcap=0.0,
+        max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=causal, softcap=0.0,
         window_size_left=left, window_size_right=right, return_lse=True,
     )[:2]  # fmt: skip
     return out.contiguous(), lse.contiguous()
@@ -208,13 +218,13 @@ def _fa4_fwd_fake(q, k, v, cu_seqlens, max_seqlen, scale, window, n_rep):
 @torch.library.custom_op("llm_training::fa4_bwd", mutates_args=())
 def _fa4_bwd_op(
     dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    cu_seqlens: Optional[Tensor], max_seqlen: Optional[int], scale: float, window: Optional[int], n_rep: int,
+    cu_seqlens: Optional[Tensor], max_seqlen: Optional[int], scale: float, window: Tensor, n_rep: int,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    left, right = _window_size(window)
+    causal, left, right = _fa4_window(window)
     dq, dk, dv = _flash_attn_bwd(
-        q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), out, dout, lse, scale, window is None, 0.0,
+        q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), out, dout, lse, scale, causal, 0.0,
         window_size_left=left, window_size_right=right, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
         max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, dlse=dlse,
     )[:3]  # fmt: skip
@@ -250,7 +260,7 @@ def _flash_attn(q, k, v, *, scale, window, cu_seqlens=None, max_seqlen=None, n_r
     torch.compile). Before the custom ops, a torch.compiler.disable function broke each compiled block's graph here
     (9 breaks and 11 graphs for the compiled motif3_proxy_nomtp step on the H200, session 14); traced by dynamo
     instead, flash_attn.cute's Python had broken it 49 times (session 9)."""
-    return _fa4_fwd_op(q, k, v, cu_seqlens, max_seqlen, float(scale), window, n_rep)
+    return _fa4_fwd_op(q, k, v, cu_seqlens, max_seqlen, float(scale), window_tensor(window), n_rep)
 
 
 def fa4_attention_lse(
@@ -259,12 +269,13 @@ def fa4_attention_lse(
     v_BSKE: torch.Tensor,
     *,
     scale: float,
-    window: Optional[int],
+    window,
     metadata,
     gqa_layout: str = DEFAULT_GQA_LAYOUT,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, S, Hq, Dv] in q's dtype, lse fp32 [B, Hq, S], natural log), both differentiable; the
-    visibility of attention_backends (causal, window, metadata's documents via its cu_seqlens)."""
+    visibility of attention_backends (causal, window in either form of `masks.window_tensor`, metadata's documents
+    via its cu_seqlens)."""
     B, S, Hq, _ = q_BSHD.shape
     k, v, d_v, n_rep = _layout_kv(k_BSKD, v_BSKE, Hq, gqa_layout)
     if metadata.document_ids is None:

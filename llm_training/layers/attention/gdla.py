@@ -17,7 +17,13 @@ import torch
 from torch import nn
 
 from llm_training.autograd_output import function_output
-from llm_training.layers.attention.backends import AttentionMetadata, build_attention_metadata, get_attention_backend
+from llm_training.layers.attention.backends import (
+    AttentionMetadata,
+    build_attention_metadata,
+    get_attention_backend,
+    runs_fa4,
+)
+from llm_training.layers.attention.masks import window_tensor
 from llm_training.layers.norms import RMSNorm
 from llm_training.layers.projection import Fp32Projection
 from llm_training.layers.attention.rope import RotaryEmbedding, apply_rope_interleaved
@@ -42,6 +48,9 @@ class GDLAttention(nn.Module):
         self.d_nope, self.d_rope, self.d_v = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
         self.kv_lora_rank = args.kv_lora_rank
         self.window: Optional[int] = args.sliding_window if sliding else None
+        # the same window in the tensor form that flash-attn-4's ops read when they run (`masks.window_tensor`):
+        # a plain attribute on the CPU (no buffer: it follows no .to() and is no checkpoint state)
+        self.window_tensor = window_tensor(self.window)
         self.softmax_scale = softmax_scale
         self.rope = rope
         self.attention_backend = attention_backend
@@ -104,12 +113,15 @@ class GDLAttention(nn.Module):
         # max logits of the first forward stand (the recompute's outputs are dropped), and the side pass is not
         # paid twice.
         record = self.record_max_logits and not _in_backward()
+        # flash-attn-4 reads the window's tensor form when it runs, so torch.compile does not specialise on it: one
+        # compiled attention graph for full and sliding layers (the int would be a constant: a graph per window)
+        window = self.window_tensor if runs_fa4(self.attention_backend, metadata, q.dtype) else self.window
         out, max_logits = self.kernel(
             q,
             k,
             v.contiguous(),
             scale=self.softmax_scale,
-            window=self.window,
+            window=window,
             metadata=metadata,
             record_max_logits=record,
         )

@@ -8,12 +8,36 @@ A leaf module: the backends (`attention_backends`, `fa4_attention`) import it; i
 `from __future__ import annotations`: the custom op's schema is inferred from its annotations.)
 """
 
+import os
 from typing import Optional
 
 import torch
 from activation.backend import TRITON_AVAILABLE  # probed once, never in compiled code
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# A layer's sliding window reaches the kernels in one of two forms. As a Python value (an int W, None = full
+# causal), which code traced by torch.compile specialises on: each value is its own compiled graph. Or, for the
+# kernels that are opaque custom ops (flash-attn-4, the max-logit side pass), as a CPU int64 scalar tensor (-1 =
+# full causal), which the op reads when it runs: full and sliding attention layers then share one compiled graph
+# (GDLAttention passes this form to them; `window_value` / `window_tensor` convert).
+FULL_CAUSAL = -1
+
+
+def window_tensor(window) -> torch.Tensor:
+    """The tensor form of `window` (an int, None or already a tensor): CPU int64 scalar, FULL_CAUSAL for None."""
+    if isinstance(window, torch.Tensor):
+        return window
+    return torch.tensor(FULL_CAUSAL if window is None else int(window), dtype=torch.int64, device="cpu")
+
+
+def window_value(window) -> Optional[int]:
+    """The Python form of `window` (an int, None or the tensor form): None = full causal. Reads the tensor: call
+    it where the code runs (an op's body, eager code), never in code torch.compile traces."""
+    if isinstance(window, torch.Tensor):
+        value = int(window)
+        return None if value == FULL_CAUSAL else value
+    return window
 
 
 def visibility_mask(
@@ -96,18 +120,22 @@ def chunked_max_logits(
 
 
 @torch.library.custom_op("llm_training::attention_max_logits", mutates_args=())
-def _max_logits_kernel_op(
-    q: torch.Tensor, k: torch.Tensor, document_ids: Optional[torch.Tensor], scale: float, window: Optional[int]
+def _max_logits_op(
+    q: torch.Tensor, k: torch.Tensor, document_ids: Optional[torch.Tensor], scale: float, window: torch.Tensor
 ) -> torch.Tensor:
-    from llm_training.layers.attention import max_logits_kernels  # imports triton
+    """The side pass as one opaque op (`window` in its tensor form): the Triton kernel on CUDA (or under the Triton
+    interpreter), else the chunked torch ops."""
+    if TRITON_AVAILABLE and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and q.dtype in _KERNEL_DTYPES:
+        from llm_training.layers.attention import max_logits_kernels  # imports triton
 
-    starts = None if document_ids is None else document_starts(document_ids)
-    return max_logits_kernels.max_logits(
-        q, k, scale=scale, window=window, document_ids=document_ids, document_starts=starts
-    )
+        starts = None if document_ids is None else document_starts(document_ids)
+        return max_logits_kernels.max_logits(
+            q, k, scale=scale, window=window_value(window), document_ids=document_ids, document_starts=starts
+        )
+    return chunked_max_logits(q, k, scale=scale, window=window_value(window), document_ids=document_ids)
 
 
-@_max_logits_kernel_op.register_fake
+@_max_logits_op.register_fake
 def _(q, k, document_ids, scale, window):
     return q.new_empty(q.shape[2], dtype=torch.float32)
 
@@ -117,12 +145,13 @@ def attention_max_logits(
     k_BSKD: torch.Tensor,
     *,
     scale: float,
-    window: Optional[int],
+    window,
     document_ids: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """Per-query-head max of the scaled logits over visible pairs, fp32 [Hq], no gradient: the Triton kernel on
-    CUDA when triton is installed, else `chunked_max_logits`."""
+    CUDA when triton is installed, else `chunked_max_logits`. `window` in either form (module docstring); the
+    tensor form always goes through the opaque op (one graph for every window under torch.compile)."""
     q, k = q_BSHD.detach(), k_BSKD.detach()
-    if TRITON_AVAILABLE and q.is_cuda and q.dtype in _KERNEL_DTYPES:
-        return _max_logits_kernel_op(q, k, document_ids, float(scale), None if window is None else int(window))
+    if isinstance(window, torch.Tensor) or (TRITON_AVAILABLE and q.is_cuda and q.dtype in _KERNEL_DTYPES):
+        return _max_logits_op(q, k, document_ids, float(scale), window_tensor(window))
     return chunked_max_logits(q, k, scale=scale, window=window, document_ids=document_ids)

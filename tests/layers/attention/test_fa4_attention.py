@@ -217,15 +217,18 @@ def test_selective_checkpointing_keeps_the_fa4_output(emulated_fa4, mode, forwar
 def test_fa4_custom_ops_pass_opcheck(emulated_fa4):
     """The schema, fake (meta) functions and autograd registration of llm_training::fa4_fwd / fa4_bwd agree with
     their kernels (torch.library.opcheck), dense and varlen."""
+    from llm_training.layers.attention.masks import window_tensor
+
     torch.manual_seed(4)
     q = torch.randn(2, 6, 4, 12, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 6, 2, 12, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 6, 2, 8, dtype=torch.float64, requires_grad=True)
     cu = torch.tensor([0, 4, 6, 12], dtype=torch.int32)
+    full, window = window_tensor(None), window_tensor(3)  # the ops take the window's tensor form
     cases = [
-        (q, k, v, None, None, 0.3, None, 2),
-        (q, k, v, None, None, 0.3, 3, 2),
-        (*(x.detach().reshape(12, x.shape[2], -1).requires_grad_() for x in (q, k, v)), cu, 6, 0.3, 3, 2),
+        (q, k, v, None, None, 0.3, full, 2),
+        (q, k, v, None, None, 0.3, window, 2),
+        (*(x.detach().reshape(12, x.shape[2], -1).requires_grad_() for x in (q, k, v)), cu, 6, 0.3, window, 2),
     ]
     for args in cases:
         torch.library.opcheck(torch.ops.llm_training.fa4_fwd.default, args)

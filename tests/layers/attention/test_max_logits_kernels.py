@@ -111,7 +111,7 @@ def test_dispatch_on_cuda_compiles_and_matches_chunked_pass():
 def test_custom_op_computes_document_starts_and_matches_loop():
     """The custom op attention_max_logits dispatches to on CUDA (here called directly, so it also runs under the
     interpreter): it derives the document starts itself."""
-    from llm_training.layers.attention.masks import _max_logits_kernel_op
+    from llm_training.layers.attention.masks import _max_logits_op, window_tensor
 
     g = torch.Generator().manual_seed(7)
     q = torch.randn(2, 45, 4, 24, generator=g).to(torch.bfloat16)
@@ -119,7 +119,7 @@ def test_custom_op_computes_document_starts_and_matches_loop():
     docs = _docs(2, 45)
     _, want = loop_attention(q.double(), k.double(), k[..., :1].double(), 0.3, 20, docs)
     dev = KERNEL_DEVICE
-    got = _max_logits_kernel_op(q.to(dev), k.to(dev), docs.to(dev), 0.3, 20)
+    got = _max_logits_op(q.to(dev), k.to(dev), docs.to(dev), 0.3, window_tensor(20))
     torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
 
 
