@@ -57,15 +57,23 @@ def test_identical_blocks_compile_once_and_match_eager():
         torch.testing.assert_close(p_c.grad / 2, p_e.grad, rtol=1e-4, atol=1e-6, msg=name)  # 2 steps of grads
 
 
-def test_sublayer_compile_shares_each_half_among_the_blocks_that_have_it():
+@pytest.mark.parametrize("backend, graphs", [("auto", 5), ("fa4", 4)])
+def test_sublayer_compile_shares_each_half_among_the_blocks_that_have_it(backend, graphs, monkeypatch):
     """apply_compile(sublayers=True): the attention and feed-forward halves compile apart, one graph per kind of
     half, so motif3_proxy's pattern (full dense, sliding dense, sliding MoE x 2, + MTP, compiled whole) gives
     2 attention + 2 feed-forward + 1 MTP graphs where whole blocks give 3 + 1, each half-sized, and the step
-    matches eager. bf16 (CPU): the MoE's grouped GEMM traces only in bf16, as on the GPU; aot_eager runs the same
-    ops, so the gap is bf16 rounding of reordered ops (measured 0 on the loss; bound: 2 bf16 roundings, 2^-7)."""
+    matches eager. With flash-attn-4 (emulated here), whose ops read the window's tensor form when they run
+    (`masks.window_tensor`), full and sliding attention are one half: 1 + 2 + 1 graphs; the int window of the other
+    backends (auto is sdpa on the CPU) is a constant of the graph. bf16 (CPU): the MoE's grouped GEMM traces only in
+    bf16, as on the GPU; aot_eager runs the same ops, so the gap is bf16 rounding of reordered ops (measured 0 on
+    the loss; bound: 2 bf16 roundings, 2^-7)."""
+    if backend == "fa4":
+        from tests.fa4_emulation import install_emulated_fa4
+
+        install_emulated_fa4(monkeypatch)
     args = get_flavor("motif3_debug").replace(num_hidden_layers=4)
     torch.manual_seed(0)
-    eager = Motif3Model(args)
+    eager = Motif3Model(args, attention_backend=backend)
     eager.init_weights()
     eager = eager.to(torch.bfloat16)
     halves = copy.deepcopy(eager)
@@ -77,7 +85,7 @@ def test_sublayer_compile_shares_each_half_among_the_blocks_that_have_it():
     for loss in losses:
         loss.backward()
     stats = compile_stats()
-    assert stats["unique_graphs"] == 5 and stats["graph_breaks"] == 0, stats
+    assert stats["unique_graphs"] == graphs and stats["graph_breaks"] == 0, stats
     torch.testing.assert_close(losses[0], losses[1], rtol=2**-7, atol=0)
     grads = [
         torch.cat([p.grad.float().flatten() for p in m.parameters() if p.grad is not None]) for m in (halves, eager)
@@ -145,8 +153,8 @@ def _fa4_models_on_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_checkpointed_blocks_compile_whole_on_cuda_with_flash_attn_4():
     """The CPU test above on the GPU path: real flash-attn-4, inductor, bf16, full activation checkpointing, a step
-    without and one with max-logit recording. Every block compiles (4 graphs: full and sliding, recording or not),
-    nothing breaks, and the compiled logits and max logits are the eager model's up to bf16 rounding (the two
+    without and one with max-logit recording. Every block compiles (2 graphs: full and sliding share one, recording
+    or not), nothing breaks, and the compiled logits and max logits are the eager model's up to bf16 rounding (the two
     round at different points: inductor fuses; relative error about 10 roundings of 2^-9 deep, bound 3e-2)."""
     from llm_training.distributed.activation_checkpoint import apply_ac
 
@@ -174,33 +182,6 @@ def test_checkpointed_blocks_compile_whole_on_cuda_with_flash_attn_4():
     # backward rounds about twice as often as the forward: bound 6e-2
     grads = [torch.cat([p.grad.float().flatten() for p in m.parameters()]) for m in (compiled, eager)]
     assert rel(*grads) < 6e-2
-
-
-def test_full_and_sliding_attention_share_one_compiled_graph_with_flash_attn_4(monkeypatch):
-    """flash-attn-4's ops read the window's tensor form when they run (`masks.window_tensor`), so the compiled
-    attention half of a full-attention block is the sliding blocks' graph too: motif3_debug's 4 layers (full
-    dense, sliding dense, sliding MoE x 2) compile 1 attention + 2 feed-forward graphs (+ the MTP block), where
-    an int window made it 2 + 2 (test_sublayer_compile_shares_each_half_among_the_blocks_that_have_it, sdpa). The
-    other backends specialise on the int (FlexAttention's mask is per window). Emulated fa4, bf16 as on the GPU
-    (the MoE's grouped GEMM traces only in bf16); the step matches eager up to bf16 rounding (bound as there)."""
-    from tests.fa4_emulation import install_emulated_fa4
-
-    install_emulated_fa4(monkeypatch)
-    args = get_flavor("motif3_debug").replace(num_hidden_layers=4)
-    torch.manual_seed(0)
-    eager = Motif3Model(args, attention_backend="fa4")
-    eager.init_weights()
-    eager = eager.to(torch.bfloat16)
-    halves = copy.deepcopy(eager)
-    apply_compile(blocks(halves), backend="aot_eager", sublayers=True)
-    ids = torch.randint(0, args.vocab_size, (2, 32))
-    losses = [_loss(m, ids) for m in (halves, eager)]
-    for loss in losses:
-        loss.backward()
-    stats = compile_stats()
-    assert stats["unique_graphs"] == 4 and stats["graph_breaks"] == 0, stats
-    assert not any("window" in r for r in stats["guard_failures"]), stats
-    torch.testing.assert_close(losses[0], losses[1], rtol=2**-7, atol=0)
 
 
 def _packed_documents(n_docs: int, batch: int, seq_len: int, device="cpu") -> torch.Tensor:
