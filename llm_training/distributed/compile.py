@@ -9,8 +9,8 @@ kind of block (for motif3_proxy with sdpa / flex attention: the full-attention d
 layer 1, the sliding MoE layers 2-3, and the MTP block) is one more entry, reported as a recompile of the same
 code with the guard that failed (`TORCH_LOGS=recompiles` prints them as they happen). flash-attn-4 reads the
 window from a tensor when it runs (`layers.attention.masks.window_tensor`), so with it full and sliding
-attention are one kind: one attention graph instead of two. `recompile_limit` is raised to cover every kind of block of a flavor, so a deep
-model never falls back to eager silently.
+attention are one kind: one attention graph instead of two. `recompile_limit` is raised to cover every kind of
+block of a flavor, so a deep model never falls back to eager silently.
 """
 
 from __future__ import annotations
