@@ -105,6 +105,7 @@ class Case:
     mhc_backward: str = "auto"  # our systems: [kernels] mhc_backward (auto = the default config)
     granularity: str = "auto"  # our systems: [compile] granularity (auto = the default config)
     memory_snapshot: bool = False  # one more step after timing recorded by the CUDA allocator: what holds its peak
+    sample_first_step: bool = False  # sample the first step's Python stacks: its seconds by compile phase and line
 
     @property
     def name(self) -> str:
@@ -370,6 +371,7 @@ def run_worker(case: Case) -> dict:
         train_step_on_random_data,
     )
     from jit_timing import jit_time_breakdown
+    from stack_sampler import sample_stack
 
     from llm_training.distributed.compile import compile_stats, reset_compile_stats
     from llm_training.motif import get_flavor
@@ -415,8 +417,18 @@ def run_worker(case: Case) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    first_step_samples = {}
+
+    def step_sampled_first(i: int):
+        if i > 0 or not case.sample_first_step:
+            return step(i)
+        with sample_stack() as samples:
+            result = step(i)
+        first_step_samples.update(samples.summary())
+        return result
+
     with jit_time_breakdown() as jit:  # the JIT builds outside torch.compile's phases (all in the first step)
-        timed = time_steps(step, lambda i: i, case.steps, case.warmup, device)
+        timed = time_steps(step_sampled_first, lambda i: i, case.steps, case.warmup, device)
     check_first_loss(case.name, first_ce(timed["first"]), vocab)
     peak = peak_bf16_flops(device)
     row = {
@@ -426,6 +438,7 @@ def run_worker(case: Case) -> dict:
         "step_times_ms": [t * 1e3 for t in timed["times_s"]], "peak_bf16_tflops": peak / 1e12 if peak else None,
         **peak_memory_gib(device), **compile_stats(), "first_step_jit": jit.summary(),
         "later_compiled_frames": timed["later_compiled_frames"],
+        **({"first_step_samples": first_step_samples} if first_step_samples else {}),
         **{k: v for k, v in timed.items() if k.endswith("_after_step")},
     }  # fmt: skip
     row.update(throughput(case.tokens_per_step, statistics.median(timed["times_s"]), flops, peak))
@@ -601,6 +614,7 @@ def first_step_breakdown(row: dict) -> str:
 def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
     """The printed table: one line per case (FAIL lines give the reason), then the ours/torchtitan ratios."""
     from llm_training.trainer.memory_peak import format_peak_breakdown
+    from stack_sampler import format_samples
 
     head = (f"{'case':<36}{'tok/step':>9}{'ms/step':>9}{'tok/s':>9}{'TF/s ours':>10}{'MFU ours':>9}"
             f"{'TF/s tt':>8}{'MFU tt':>8}{'resv GiB':>9}{'1st s':>7}{'graphs':>7}{'recomp':>7}{'case s':>7}")  # fmt: skip
@@ -630,6 +644,8 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
             if slowest:
                 builds = ", ".join(f"{e['s']:.1f} s {e['kernel'][:48]}" for e in slowest)
                 lines.append(f"{r['case']:<36}slowest JIT builds: {builds}")
+            if r.get("first_step_samples"):
+                lines += [f"{r['case']:<36}{line}" for line in format_samples(r["first_step_samples"])]
     for r in rows:
         if r.get("peak_reserved_gib_after_step"):
             marks = " ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(r["peak_alloc_gib_after_step"],
@@ -678,6 +694,8 @@ def main(argv=None) -> int:
     p.add_argument("--memory-snapshot", action="store_true", help="one more step per case, from an emptied cache, "
                    "under the CUDA allocator's history: allocated / reserved peaks, what was live at the peak and "
                    "what made the reserve grow, by code line")  # fmt: skip
+    p.add_argument("--sample-first-step", action="store_true", help="sample each case's first step's Python stacks "
+                   "every 10 ms (bench/stack_sampler.py): its seconds by compile phase, and the lines the rest ran under")  # fmt: skip
     p.add_argument("--warm-restart", action="store_true", help="run each compiled case once more over the compile "
                    "caches of its first run (a restarted run): first-step time with warm caches")  # fmt: skip
     p.add_argument("--out", default=str(BENCH_DIR / "results" / "bench_vs_torchtitan.json"))
@@ -695,7 +713,9 @@ def main(argv=None) -> int:
     granularities = tuple(g.strip() for g in a.granularity.split(",") if g.strip())
     cases = build_cases(a.cases, a.size, a.steps, a.warmup, optimizers, a.profile_steps, recipes, mhc_backwards,
                         granularities)  # fmt: skip
-    cases = [dataclasses.replace(c, memory_snapshot=a.memory_snapshot) for c in cases]
+    cases = [
+        dataclasses.replace(c, memory_snapshot=a.memory_snapshot, sample_first_step=a.sample_first_step) for c in cases
+    ]
     log_dir = Path(a.log_dir) if a.log_dir else Path(tempfile.mkdtemp(prefix="bench_vs_torchtitan_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = []

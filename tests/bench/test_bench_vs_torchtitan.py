@@ -155,6 +155,7 @@ def test_tiny_end_to_end_run_writes_rows_and_ratios(tmp_path):
         str(out),
         "--log-dir",
         str(logs),
+        "--sample-first-step",
     ]
     rc = bvt.main(argv)
     result = json.loads(out.read_text())
@@ -165,6 +166,9 @@ def test_tiny_end_to_end_run_writes_rows_and_ratios(tmp_path):
         assert row["tokens_per_s"] > 0 and abs(row["first_ce"] - row["ln_vocab"]) < 1.5
         assert row["later_compiled_frames"] == 0  # the second step, other documents, ran the first step's graphs
         assert row["gflop_per_token_megatron"] > 0 and row["gflop_per_token_torchtitan"] > 0
+        samples = row["first_step_samples"]  # the first step's sampled seconds add up to the first step
+        assert abs(sum(samples["by_phase_s"].values()) - samples["wall_s"]) < 0.05
+        assert 0.9 * samples["wall_s"] < row["first_step_s"] < samples["wall_s"] + 5.0
     if HAS_TORCHTITAN:
         ours, titan = result["rows"]
         assert ours["gflop_per_token_megatron"] > titan["gflop_per_token_megatron"]  # MTP block + head counted
