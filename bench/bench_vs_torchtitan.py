@@ -613,8 +613,9 @@ def first_step_breakdown(row: dict) -> str:
 
 def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
     """The printed table: one line per case (FAIL lines give the reason), then the ours/torchtitan ratios."""
-    from llm_training.trainer.memory_peak import format_peak_breakdown
     from stack_sampler import format_samples
+
+    from llm_training.trainer.memory_peak import format_peak_breakdown
 
     head = (f"{'case':<36}{'tok/step':>9}{'ms/step':>9}{'tok/s':>9}{'TF/s ours':>10}{'MFU ours':>9}"
             f"{'TF/s tt':>8}{'MFU tt':>8}{'resv GiB':>9}{'1st s':>7}{'graphs':>7}{'recomp':>7}{'case s':>7}")  # fmt: skip

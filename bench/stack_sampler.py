@@ -111,7 +111,7 @@ def _engine_thread(frame) -> bool:
     return not frame.f_code.co_filename.replace("\\", "/").endswith("/threading.py")
 
 
-class sample_stack:  # noqa: N801 - used as a context manager, like contextlib's
+class sample_stack:
     """Sample the calling thread's stack every `interval_s` seconds while open (see the module docstring)."""
 
     def __init__(self, interval_s: float = 0.01):
