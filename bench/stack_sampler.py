@@ -10,7 +10,8 @@ walking outwards), so a sympy call made by inductor's lowering counts as inducto
 kernel launch counts as the build. A sample in none of them is "other" (our code, the autograd engine running
 kernels, a CUDA synchronize waiting for the GPU). Each "other" sample also counts its innermost frame in our own
 packages (`OWN_PACKAGES`), or its innermost frame when no frame of ours is on the stack: `other_frames` names the
-lines that time was spent under, which the phase totals cannot say.
+lines that time was spent under, which the phase totals cannot say. A sample in a phase counts the frame that
+called into the phase's library (`callers`): whose Triton builds the "triton_build" seconds were.
 
 It samples the thread that opened it (the training loop's), except while that thread waits in the autograd engine
 (`loss.backward()`): the backward's Python code (a compiled backward's lazy compile, custom autograd functions) runs
@@ -18,10 +19,18 @@ on the engine's device threads, C++ threads whose Python stack has no `threading
 a sample then takes such a thread's stack where one is running Python. Work in other processes (inductor's compile
 workers, flash-attn-4's prebuild) shows as a thread waiting for it. The sampling thread takes the GIL for a few
 microseconds per sample: at 10 ms the overhead is well under 1%.
+
+Sampling changes memory: reading a running function's frame makes Python keep a frame object for it, and such
+frames end up in reference cycles with what they hold (tensors too) that only the cyclic garbage collector frees
+(measured on the CPU with motif3_debug_nomtp's compiled first step: 3.9 MB of tensors, half again the live
+tensors, outlived the step until `gc.collect()`; one H100 at proxy_16e, session 22: +10 GiB allocated in the
+steps after a sampled first step). So the sampler collects garbage when it closes, and the memory peak of a
+sampled stretch is not the program's own.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -40,24 +49,25 @@ PHASES = (
 OWN_PACKAGES = ("/llm_training/", "/activations/", "/optimizer/", "/bench/")
 
 
+def _phase_of_file(filename: str) -> str | None:
+    path = filename.replace("\\", "/")
+    return next((phase for phase, fragments in PHASES if any(f in path for f in fragments)), None)
+
+
 def phase_of(filenames: list[str]) -> str:
     """The phase of a stack given innermost-first file names: the first frame that belongs to a phase decides."""
-    for filename in filenames:
-        path = filename.replace("\\", "/")
-        for phase, fragments in PHASES:
-            if any(f in path for f in fragments):
-                return phase
-    return "other"
+    return next((p for p in map(_phase_of_file, filenames) if p is not None), "other")
 
 
-def _where(code_filename: str, lineno: int, name: str) -> str:
-    path = code_filename.replace("\\", "/")
+def _describe(frame) -> str:
+    """`path:line function` of `frame`, the path from our package or the library's folder on."""
+    path = frame.f_code.co_filename.replace("\\", "/")
     for marker in OWN_PACKAGES + ("/site-packages/", "/dist-packages/", "/lib/python"):
         cut = path.rfind(marker)
         if cut >= 0:
             path = path[cut + 1 :]
             break
-    return f"{path}:{lineno} {name}"
+    return f"{path}:{frame.f_lineno} {frame.f_code.co_name}"
 
 
 @dataclass
@@ -69,33 +79,43 @@ class StackSamples:
     samples: int = 0
     by_phase: Counter = field(default_factory=Counter)
     other_frames: Counter = field(default_factory=Counter)
+    callers: dict[str, Counter] = field(default_factory=dict)  # per phase: the frame that called into it
 
     def add(self, frame) -> None:
-        """File one sample of the stack whose innermost frame is `frame`."""
-        filenames, own = [], None
-        innermost = frame
+        """File one sample of the stack whose innermost frame is `frame`: its phase; for "other" its innermost
+        frame of ours (or its innermost frame), for a phase the frame just outside the phase's library that called
+        into it (e.g. our kernel's launcher, or inductor's loader, for a Triton build)."""
+        frames, own = [], None
         while frame is not None:
-            filename = frame.f_code.co_filename
-            filenames.append(filename)
-            if own is None and any(p in filename.replace("\\", "/") for p in OWN_PACKAGES):
+            frames.append(frame)
+            if own is None and any(p in frame.f_code.co_filename.replace("\\", "/") for p in OWN_PACKAGES):
                 own = frame
             frame = frame.f_back
-        phase = phase_of(filenames)
+        phases = [_phase_of_file(f.f_code.co_filename) for f in frames]
+        at = next((i for i, p in enumerate(phases) if p is not None), None)
+        phase = "other" if at is None else phases[at]
         self.samples += 1
         self.by_phase[phase] += 1
-        if phase == "other":
-            where = own if own is not None else innermost
-            self.other_frames[_where(where.f_code.co_filename, where.f_lineno, where.f_code.co_name)] += 1
+        if at is None:
+            self.other_frames[_describe(own if own is not None else frames[0])] += 1
+            return
+        while at + 1 < len(frames) and phases[at + 1] == phase:
+            at += 1
+        self.callers.setdefault(phase, Counter())[_describe(frames[min(at + 1, len(frames) - 1)])] += 1
 
     def summary(self, top: int = 15) -> dict:
-        """Seconds per phase (samples scaled to the measured wall time, largest first) and the `top` frames of
-        the "other" samples."""
+        """Seconds per phase (samples scaled to the measured wall time, largest first), the `top` frames of the
+        "other" samples, and per phase the `top` frames that called into it."""
         scale = self.wall_s / self.samples if self.samples else 0.0
         return {
             "wall_s": round(self.wall_s, 2),
             "samples": self.samples,
             "by_phase_s": {k: round(n * scale, 2) for k, n in self.by_phase.most_common()},
             "other_frames": [{"s": round(n * scale, 2), "where": w} for w, n in self.other_frames.most_common(top)],
+            "callers": {
+                phase: [{"s": round(n * scale, 2), "where": w} for w, n in counts.most_common(top)]
+                for phase, counts in self.callers.items()
+            },
         }
 
 
@@ -141,10 +161,19 @@ class sample_stack:
         self._stop.set()
         self._thread.join()
         self.result.wall_s = time.perf_counter() - self._start
+        gc.collect()  # the cycles that sampled frames formed (module docstring) do not outlive the stretch
 
 
-def format_samples(summary: dict, top: int = 8) -> list[str]:
-    """Two lines per run: seconds by phase, then the `top` frames the time was spent under."""
+def format_samples(summary: dict, top: int = 8, callers_of: tuple[str, ...] = ("triton_build",)) -> list[str]:
+    """Seconds by phase; the `top` frames the "other" time was spent under; and for each phase of `callers_of`
+    that was sampled, the `top` frames that called into it."""
     phases = " + ".join(f"{k} {v:.1f}" for k, v in summary["by_phase_s"].items())
-    frames = ", ".join(f"{f['s']:.1f} s {f['where']}" for f in summary["other_frames"][:top])
-    return [f"sampled {summary['wall_s']:.1f} s = {phases}", f"other, under: {frames}"]
+
+    def listing(frames: list[dict]) -> str:
+        return ", ".join(f"{f['s']:.1f} s {f['where']}" for f in frames[:top])
+
+    lines = [f"sampled {summary['wall_s']:.1f} s = {phases}", f"other, under: {listing(summary['other_frames'])}"]
+    for phase in callers_of:
+        if summary.get("callers", {}).get(phase):
+            lines.append(f"{phase}, called from: {listing(summary['callers'][phase])}")
+    return lines

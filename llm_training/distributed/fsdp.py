@@ -2,12 +2,15 @@
 
 `apply_fsdp(model, blocks, mesh, mp_policy, replicated_param_names, expert_modules, expert_mesh, embedding)` shards
 the input embedding, every block, then the root (final norm, head, whatever no block holds), over `mesh` (1-D: FSDP;
-2-D (replicate, shard): HSDP). The root stays unsharded after forward, so a loss can read the head weight directly;
-so does the embedding (the MTP modules call it again after the trunk). The embedding is a group of its own because
-FSDP2 reduces a group's gradients through one flat fp32 buffer of the group's size: with both [V, H] matrices that
-is 2 x 3.4 GiB at Motif-3's vocabulary, on every rank after the backward, when the freed activations leave holes of
-one matrix's size (one H100, bench_vs_torchtitan --size proxy_16e, session 20: that 6.72 GiB request grew the
-reserve by 5.76 GiB with 16.9 GiB free; 74.3 -> 67.4 GiB reserved with the split). Parameters named in
+2-D (replicate, shard): HSDP). The root stays unsharded after forward, so a loss can read the head weight directly.
+The embedding is a group of its own because FSDP2 reduces a group's gradients through one flat fp32 buffer of the
+group's size: with both [V, H] matrices that is 2 x 3.4 GiB at Motif-3's vocabulary, on every rank after the
+backward, when the freed activations leave holes of one matrix's size (one H100, bench_vs_torchtitan --size
+proxy_16e, session 20: that 6.72 GiB request grew the reserve by 5.76 GiB with 16.9 GiB free; 74.3 -> 67.4 GiB
+reserved with the split). Like the blocks, it is resharded after its forward (the model looks the trunk's and the
+MTP modules' ids up in one call): its gathered bf16 [V, H] table (1.7 GiB at Motif-3's vocabulary, on every rank)
+is not held through the loss, where the step's memory peaks, and is gathered again for its backward (one H100,
+session 22: the table was 1.68 GiB of the 66.4 GiB allocated at the peak of bench_vs_torchtitan's proxy_16e step). Parameters named in
 `replicated_param_names` stay out of FSDP2 (`ignored_params`): full, in their own dtype, on every rank;
 `ReplicatedGradSync` all-reduces their gradients.
 
@@ -49,13 +52,7 @@ def apply_fsdp(
     for experts in expert_modules:  # inner groups first: each lies inside one of the blocks
         fully_shard(experts, mesh=expert_mesh, mp_policy=mp_policy, ignored_params=ignored & set(experts.parameters()))
     if embedding is not None:
-        fully_shard(
-            embedding,
-            mesh=mesh,
-            mp_policy=mp_policy,
-            reshard_after_forward=False,
-            ignored_params=ignored & set(embedding.parameters()),
-        )
+        fully_shard(embedding, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored & set(embedding.parameters()))
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored & set(block.parameters()))
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored)

@@ -232,7 +232,8 @@ class Motif3Model(nn.Module):
         )
         for rope in self._ropes:
             rope.prepare(input_ids.device, S)
-        embedded = self.embed_tokens(input_ids)
+        # one lookup for the trunk's ids and every MTP module's ([(1 + K) B, S]): the table is read once per forward
+        embedded, *mtp_embedded = self.embed_tokens(torch.cat([input_ids, *mtp_input_ids])).split(B)
         x = embedded
         if self.args.mhc_enabled:  # copy the embedding into n streams: [B, S, n, H]
             x = embedded.unsqueeze(2).expand(B, S, self.args.mhc_expansion_rate, -1).contiguous()
@@ -248,8 +249,8 @@ class Motif3Model(nn.Module):
 
         mtp_hidden = []
         h = hidden if self.args.mtp_feeds_post_norm_hidden else x
-        for mtp, ids in zip(self.mtp_layers, mtp_input_ids, strict=True):
-            h, layer_max_logits = mtp(h, self.embed_tokens(ids), position_ids, metadata)
+        for mtp, mtp_embedded_BSH in zip(self.mtp_layers, mtp_embedded, strict=True):
+            h, layer_max_logits = mtp(h, mtp_embedded_BSH, position_ids, metadata)
             max_logits.append(layer_max_logits)
             mtp_hidden.append(h)
 

@@ -28,8 +28,8 @@ Use (docs/architecture.md §2 step 3; the model spec's `parallelize`):
 
 Choices:
   * Blocks are `layers[i]` and `mtp_layers[k]`. The input embedding is an FSDP2 group of its own (as in
-    torchtitan; kept gathered from forward to backward, as the root is) and the root (final norm, lm_head)
-    another: FSDP2 reduces a group through one flat fp32 buffer of its size, and the two [V, H] matrices together
+    torchtitan; resharded after its one forward call, as the blocks are) and the root (final norm, lm_head)
+    another (kept gathered from forward to backward: the loss reads the head weight): FSDP2 reduces a group through one flat fp32 buffer of its size, and the two [V, H] matrices together
     would need 6.7 GiB of it at once (`distributed.fsdp`).
   * fp32 parameters (the spec's fp32 rule, `state_dict_adapter.is_fp32_key`: router gate, mHC, PolyNorm
     act_fn) are kept OUT of FSDP2: fp32 and replicated on every rank (~2% of motif3_seq's parameters), their

@@ -5,6 +5,7 @@ import _thread
 import importlib.util
 import sys
 import time
+import weakref
 from pathlib import Path
 
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "stack_sampler.py"
@@ -66,9 +67,44 @@ def test_a_wait_in_the_autograd_engine_samples_the_engine_thread():
     assert frames.get("_spin", 0.0) > frames.get("_engine_run_backward", 0.0)
 
 
-def test_format_samples_gives_the_phases_then_the_lines():
-    summary = {"wall_s": 3.0, "by_phase_s": {"inductor": 2.0, "other": 1.0},
-               "other_frames": [{"s": 1.0, "where": "llm_training/trainer/trainer.py:10 step"}]}  # fmt: skip
-    phases, lines = stack_sampler.format_samples(summary)
-    assert phases == "sampled 3.0 s = inductor 2.0 + other 1.0"
+def test_garbage_cycles_made_while_sampling_do_not_outlive_it():
+    class Node:
+        pass
+
+    with stack_sampler.sample_stack(interval_s=0.005):
+        node = Node()
+        node.itself, node.data = node, bytearray(1 << 20)  # a cycle holding a MiB, as sampled frames form
+        alive = weakref.ref(node)
+        del node
+        _spin(0.05)
+    assert alive() is None
+
+
+def test_a_phase_counts_the_frame_that_called_into_its_library(tmp_path):
+    # a stand-in "triton/compiler" module whose compile spins, called from this file's launcher
+    compiler = tmp_path / "triton" / "compiler" / "compiler.py"
+    compiler.parent.mkdir(parents=True)
+    compiler.write_text("import time\n\ndef compile(seconds):\n    end = time.perf_counter() + seconds\n"
+                        "    while time.perf_counter() < end:\n        pass\n")  # fmt: skip
+    namespace = {}
+    exec(compile(compiler.read_text(), str(compiler), "exec"), namespace)
+
+    def launch_kernel():
+        namespace["compile"](0.3)
+
+    with stack_sampler.sample_stack(interval_s=0.005) as samples:
+        launch_kernel()
+    summary = samples.summary()
+    assert max(summary["by_phase_s"], key=summary["by_phase_s"].get) == "triton_build"
+    top = summary["callers"]["triton_build"][0]
+    assert top["where"].startswith("bench/test_stack_sampler.py:") and top["where"].endswith(" launch_kernel")
+
+
+def test_format_samples_gives_the_phases_the_lines_and_the_callers():
+    summary = {"wall_s": 3.0, "by_phase_s": {"inductor": 1.5, "triton_build": 0.5, "other": 1.0},
+               "other_frames": [{"s": 1.0, "where": "llm_training/trainer/trainer.py:10 step"}],
+               "callers": {"triton_build": [{"s": 0.5, "where": "llm_training/layers/mhc/kernels.py:9 mix"}]}}  # fmt: skip
+    phases, lines, callers = stack_sampler.format_samples(summary)
+    assert phases == "sampled 3.0 s = inductor 1.5 + triton_build 0.5 + other 1.0"
     assert lines == "other, under: 1.0 s llm_training/trainer/trainer.py:10 step"
+    assert callers == "triton_build, called from: 0.5 s llm_training/layers/mhc/kernels.py:9 mix"

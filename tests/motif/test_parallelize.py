@@ -52,8 +52,9 @@ def _reference_model():
     return m
 
 
-def _loss_and_grads(model, b, normalisers, balance_scale):
+def _loss_and_grads(model, b, normalisers, balance_scale, after_forward=lambda: None):
     out = model(b.input_ids, b.position_ids, b.document_ids, b.mtp_input_ids, return_hidden=True)
+    after_forward()
     loss = micro_batch_loss(out, model.lm_head.weight, b.labels, b.mtp_labels, normalisers, 0.3, balance_scale)
     loss.total.backward()
     return loss.total.detach()
@@ -77,17 +78,21 @@ def _worker(rank, world, port, path, dp_replicate=1):
         # pure replication (dp_shard = 1) still needs FSDP2's gradient reduction (HSDP over a 1-rank shard dim)
         assert parallel.fsdp and isinstance(model.layers[0].self_attn.wq_b.weight, DTensor)
         assert not isinstance(model.layers[2].moe.router.gate.weight, DTensor)  # fp32, replicated
-        # the input embedding is an FSDP2 group of its own (not in the root's flat gradient buffer), kept gathered
-        # from its forward to its backward like the root (the MTP module embeds again after the trunk)
+        # the input embedding is an FSDP2 group of its own (not in the root's flat gradient buffer)
         root_params = {id(fp.sharded_param) for fp in model._get_fsdp_state()._fsdp_param_group.fsdp_params}
         embedding_group = model.embed_tokens._get_fsdp_state()._fsdp_param_group
         assert id(model.embed_tokens.weight) not in root_params and root_params
         assert [fp.sharded_param for fp in embedding_group.fsdp_params] == [model.embed_tokens.weight]
-        assert embedding_group.post_forward_mesh_info is None
         mine = _batch().map(lambda t: t[2 * rank : 2 * rank + 2])
         normalisers = count_labelled_tokens(mine.targets())
         dist.all_reduce(normalisers)
-        loss = _loss_and_grads(model, mine, normalisers, 1.0 / world)
+
+        def after_forward():  # the embedding (called once, MTP ids too) is resharded; the root keeps the head
+            # (pure replication, a 1-rank shard dim, is FSDP2's DDP mode: no shard to return to)
+            assert isinstance(model.embed_tokens.weight, DTensor) == (dp_replicate == 1)
+            assert not isinstance(model.lm_head.weight, DTensor)
+
+        loss = _loss_and_grads(model, mine, normalisers, 1.0 / world, after_forward)
         dist.all_reduce(loss)
         parallel.sync_replicated_grads()
         ctx = model._get_fsdp_state()._comm_ctx  # two ranks: the reduction overlaps real communication on its stream
