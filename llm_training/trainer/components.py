@@ -19,6 +19,7 @@ allocated, and a parameter that `parallelize` materialised anyway is an error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,11 +41,18 @@ class Components:
 
 
 def build_components(
-    spec: ModelSpec, job_config, parallel_dims, device: torch.device, init_weights: bool = True
+    spec: ModelSpec,
+    job_config,
+    parallel_dims,
+    device: torch.device,
+    init_weights: bool = True,
+    on_model_built: Callable[[nn.Module], None] | None = None,
 ) -> Components:
     """Model args, model, converters, parallelization and optimizers of `job_config` on `device` (module
     docstring); the process group and `parallel_dims`' mesh must exist. `init_weights=False`: the model stays on
-    the meta device (the dry run)."""
+    the meta device (the dry run). `on_model_built(model)` runs as soon as the model exists, before step 2 (on
+    CUDA still on the meta device): the Trainer starts flash-attn-4's kernel prebuild there, so that the side
+    process runs while the rest is built."""
     from activation.backend import configure as configure_activation_kernels
     from optimizer.newton_schulz import set_gram_backend
 
@@ -59,6 +67,8 @@ def build_components(
     init_full_first = init_weights and device.type == "cpu"
     with torch.device(device if init_full_first else "meta"):
         model = spec.build_model(model_args, job_config)
+    if on_model_built is not None:
+        on_model_built(model)
     if init_full_first:
         torch.manual_seed(seed)
         model.init_weights(buffer_device=device)

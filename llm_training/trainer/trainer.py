@@ -229,11 +229,17 @@ class Trainer:
         self.tokenizer = build_tokenizer(c.model.tokenizer_path)
         self.dataloader = build_dataloader(c, self.tokenizer, self.dp_rank, self.dp_size)
 
-        built = build_components(spec, c, parallel_dims, self.device)
+        self.kernel_prebuild = None
+
+        def start_kernel_prebuild(model):
+            # flash-attn-4's kernels built in a side process from the moment the model exists (on meta) until the
+            # first step needs them: through the parallelization, the weights' and the optimizer state's
+            # initialisation and the first step's compile (None where it would not help)
+            self.kernel_prebuild = start_fa4_prebuild(model, c, parallel_dims, self.device)
+
+        built = build_components(spec, c, parallel_dims, self.device, on_model_built=start_kernel_prebuild)
         self.model_args, self.model, self.converters = built.model_args, built.model, built.converters
         self.parallel, self.optimizers = built.parallel, built.optimizers  # Muon + AdamW, with .lr_scheduler
-        # flash-attn-4's kernels built in a side process while the first step compiles (None where it would not help)
-        self.kernel_prebuild = start_fa4_prebuild(self.model, c, parallel_dims, self.device)
         self.model.train()
         self.lr_scheduler = self.optimizers.lr_scheduler
         self.hooks = spec.build_step_hooks(self.model, self.model_args, c)

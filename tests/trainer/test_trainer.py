@@ -342,3 +342,29 @@ def test_a_later_step_that_compiles_is_named_with_its_guard_failure(make_config,
             "happen)",
         )
     ], lines
+
+
+def test_the_kernel_prebuild_starts_as_soon_as_the_model_exists(make_config, monkeypatch):
+    """flash-attn-4's side process starts from the freshly built model, before the parallelization, the weights'
+    initialisation and the optimizer state (its head start over the first step's attention call), and the trainer
+    keeps its handle. The side process itself is tested in tests/layers/attention/test_fa4_prebuild.py."""
+    import dataclasses
+
+    from llm_training.trainer import trainer as trainer_module
+
+    events, handle = [], object()
+    spec = trainer_module.MOTIF3_SPEC
+
+    def record_parallelize(model, *args, **kwargs):
+        events.append("parallelize")
+        return spec.parallelize(model, *args, **kwargs)
+
+    def record_prebuild(model, job_config, parallel_dims, device):
+        events.append(("prebuild", type(model).__name__))
+        return handle
+
+    monkeypatch.setattr(trainer_module, "MOTIF3_SPEC", dataclasses.replace(spec, parallelize=record_parallelize))
+    monkeypatch.setattr(trainer_module, "start_fa4_prebuild", record_prebuild)
+    trainer = Trainer(make_config(), DIMS, CPU)
+    assert events == [("prebuild", "Motif3Model"), "parallelize"]
+    assert trainer.kernel_prebuild is handle
