@@ -88,8 +88,8 @@ def _worker(rank, world, port, path, dp_replicate=1):
         dist.all_reduce(normalisers)
 
         def after_forward():  # the embedding (called once, MTP ids too) is resharded; the root keeps the head
-            # (pure replication, a 1-rank shard dim, is FSDP2's DDP mode: no shard to return to)
-            assert isinstance(model.embed_tokens.weight, DTensor) == (dp_replicate == 1)
+            # (over a one-rank shard dim, HSDP 2 x 1, every group stays gathered for the step: defer_grad_sync)
+            assert isinstance(model.embed_tokens.weight, DTensor) == (not parallel.defer_grad_sync)
             assert not isinstance(model.lm_head.weight, DTensor)
 
         loss = _loss_and_grads(model, mine, normalisers, 1.0 / world, after_forward)
