@@ -15,9 +15,10 @@ It then prints, per rank, the GPU memory the step needs, from the real objects:
     the parameter dtype);
   * optimizer state, per optimizer group: Muon's momentum (1 x the local shard), AdamW's two moments (2 x), in
     the parameter dtype (both create them with `zeros_like` of the local shard at the first step);
-  * the FSDP2 transients: the root group (final norm, head) and the input embedding's group stay unsharded in
-    the compute dtype for the whole step and their gradients unsharded through the backward; the largest other
-    FSDP2 group (a block, or under expert parallelism a block's experts, which are a group of their own) is
+  * the FSDP2 transients: the root group (final norm, head) stays unsharded in the compute dtype for the whole
+    step and its gradients unsharded through the backward (so does the input embedding's group where
+    `parallelize` keeps it gathered: over a one-rank shard dimension); the largest other
+    FSDP2 group (a block, the embedding, or under expert parallelism a block's experts, a group of their own) is
     all-gathered twice over (the group computing and the one prefetched) and its gradients exist unsharded in the
     compute dtype plus the reduce-scatter input in the reduce dtype. Where FSDP2 shards over one rank (`ParallelizedModel.defer_grad_sync`)
     every group is gathered once per step and stays gathered through it, so all groups count instead of two;
@@ -136,8 +137,9 @@ class Memory:
 @dataclass(frozen=True)
 class FsdpShard:
     """One FSDP2-managed parameter: its group (module FQN, "" = root), padded local storage, all-gathered size, and
-    whether its group stays gathered for the whole step (the root; an input embedding, which `parallelize` keeps
-    unsharded from its forward to its backward)."""
+    whether its group stays gathered for the whole step (the root; an input embedding that `parallelize` keeps
+    unsharded from its forward to its backward, as it does over a one-rank shard dimension; over several ranks the
+    embedding is resharded after its forward like a block)."""
 
     group: str
     padded_numel: int
@@ -154,7 +156,7 @@ def fsdp_shards(model: nn.Module) -> dict[int, FsdpShard]:
         if not isinstance(module, FSDPModule):
             continue
         group = module._get_fsdp_state()._fsdp_param_group
-        kept = fqn == "" or isinstance(module, nn.Embedding)
+        kept = fqn == "" or (isinstance(module, nn.Embedding) and group.post_forward_mesh_info is None)
         for fp in group.fsdp_params if group is not None else ():
             padded = fp.padded_sharded_param_size.numel()
             out[id(fp.sharded_param)] = FsdpShard(fqn, padded, padded * fp.mesh_info.shard_mesh_size, kept)
@@ -429,7 +431,7 @@ def format_rank(r: RankReport) -> str:
             )
         )
     lines += [
-        _row("+ FSDP2 root + embedding, params + grads", f.kept_bytes, f"2 x {f.kept_numel:,} in {compute}"),
+        _row("+ FSDP2 groups kept gathered, params + grads", f.kept_bytes, f"2 x {f.kept_numel:,} in {compute}"),
         _row(
             "+ FSDP2 every group gathered for the step"
             if f.gathered_for_the_step

@@ -91,15 +91,17 @@ def test_bf16_muon_momentum_halves_the_muon_state():
 def test_fsdp_transients_of_the_debug_model():
     r = measure_rank(parse("--job.dry_run_world_size=4"), 4, 0)
     a = get_flavor("motif3_debug")
-    kept = 2 * a.vocab_size * a.hidden_size + a.hidden_size  # the embedding's group; the root: lm_head, final norm
+    kept = a.vocab_size * a.hidden_size + a.hidden_size  # the root: lm_head, final norm (the embedding reshards)
     moe_layer = sum(
         math.prod(s) for n, s in unsharded_debug_params() if n.startswith("layers.2.") and not is_fp32_key(n)
     )
     assert r.fsdp.kept_numel == kept and r.fsdp.kept_bytes == 2 * kept * 2  # bf16 params + grads
-    assert r.fsdp.largest_block == "layers.2"  # the first of the (equal) MoE layers
-    assert r.fsdp.largest_block_numel == moe_layer and not r.fsdp.gathered_for_the_step
-    assert r.fsdp.all_gather_bytes == 2 * 2 * moe_layer  # the group computing and the one prefetched, bf16
-    assert r.fsdp.reduce_scatter_bytes == (2 + 4) * moe_layer  # bf16 grads + the fp32 reduce-scatter input
+    # the largest group gathered at a time: the embedding's [V, H] or, if larger, the first (equal) MoE layer
+    largest = max(moe_layer, a.vocab_size * a.hidden_size)
+    assert r.fsdp.largest_block == ("layers.2" if moe_layer >= a.vocab_size * a.hidden_size else "embed_tokens")
+    assert r.fsdp.largest_block_numel == largest and not r.fsdp.gathered_for_the_step
+    assert r.fsdp.all_gather_bytes == 2 * 2 * largest  # the group computing and the one prefetched, bf16
+    assert r.fsdp.reduce_scatter_bytes == (2 + 4) * largest  # bf16 grads + the fp32 reduce-scatter input
 
 
 def test_one_rank_shards_keep_every_group_gathered_for_the_step():
@@ -174,7 +176,8 @@ def test_production_examples_at_32_ranks(name):
         total = param_counts(args).total_with_mtp
         assert abs(r.params.sharded_local_numel * 32 + r.params.replicated.numel - total) <= 1e-5 * total
         assert r.activations.tokens == c.training.local_batch_size * c.training.seq_len // parallel_dims.cp
-        assert r.fsdp.largest_block.startswith("layers.")
+        # EP 8: a block's own group (its experts are groups apart) is smaller than the embedding's [V, H]
+        assert r.fsdp.largest_block == "embed_tokens"
     assert reports[0].total_bytes == reports[1].total_bytes
     text = format_report(c, parallel_dims, reports)
     assert "on 32 ranks" in text and "rank 31:" in text and ("fits on every rank" in text or "does NOT fit" in text)
