@@ -647,6 +647,7 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
                 lines.append(f"{r['case']:<36}slowest JIT builds: {builds}")
             if r.get("first_step_samples"):
                 lines += [f"{r['case']:<36}{line}" for line in format_samples(r["first_step_samples"])]
+                lines.append(f"{r['case']:<36}first step sampled: its memory figures are not the program's own")
     for r in rows:
         if r.get("peak_reserved_gib_after_step"):
             marks = " ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(r["peak_alloc_gib_after_step"],

@@ -169,6 +169,9 @@ def test_tiny_end_to_end_run_writes_rows_and_ratios(tmp_path):
         samples = row["first_step_samples"]  # the first step's sampled seconds add up to the first step
         assert abs(sum(samples["by_phase_s"].values()) - samples["wall_s"]) < 0.05
         assert 0.9 * samples["wall_s"] < row["first_step_s"] < samples["wall_s"] + 5.0
+    table = bvt.format_table(result["rows"], result["ratios"])
+    assert "first step sampled: its memory figures are not the program's own" in table
+    assert "sampled " in table and "other, under: " in table
     if HAS_TORCHTITAN:
         ours, titan = result["rows"]
         assert ours["gflop_per_token_megatron"] > titan["gflop_per_token_megatron"]  # MTP block + head counted
