@@ -1,10 +1,10 @@
-"""Where a stretch of wall time goes in this process's main thread, by sampling its Python stack.
+"""Where a stretch of wall time goes in the calling thread, by sampling its Python stack.
 
     with sample_stack(interval_s=0.01) as samples:
         first_step()
-    samples.summary()  # {"seconds": .., "by_phase": {"dynamo": s, ...}, "top_frames": [...]}
+    samples.summary()  # {"wall_s", "samples", "by_phase_s": {"inductor": s, ...}, "other_frames", "callers"}
 
-A daemon thread reads the main thread's current frame (`sys._current_frames`) every `interval_s` and files the
+A daemon thread reads that thread's current frame (`sys._current_frames`) every `interval_s` and files the
 sample under a phase: the innermost frame whose file belongs to a known library decides (`PHASES`, first match
 walking outwards), so a sympy call made by inductor's lowering counts as inductor and a Triton build started by a
 kernel launch counts as the build. A sample in none of them is "other" (our code, the autograd engine running
