@@ -10,7 +10,12 @@ over a fresh compile cache:
              the shared cache; then the whole model as in "cold"
 and for each the first-step time and inductor's FX-graph cache hits and misses. A prebuilt first step with no
 miss means the side processes produced exactly the graphs training compiles. The plain model path (no FSDP2, no
-activation checkpointing; bf16 on CUDA): the trainer's FSDP2 parameters are the next thing to check.
+activation checkpointing; bf16 on CUDA).
+
+Measured (session 22, one H100, motif3_proxy_nomtp, 2 x 4096, bench/results/bench_compile_prebuild_h100_session22.json):
+cold 44.0 s; each side process 31 s, 43.1 s wall all at once; then 9.9 s with every graph a cache hit. The graphs
+carry over, but a side process's fixed cost (start, imports, CUDA and flash-attn-4 set-up, its own Triton builds)
+is most of its time, so sides + training are slower than the cold step: the plan does not pay as measured.
 
     python bench/bench_compile_prebuild.py                                  # motif3_proxy_nomtp, 2 x 4096 (GPU)
     python bench/bench_compile_prebuild.py --flavor motif3_debug_nomtp --batch 2 --seq-len 64   # CPU smoke test

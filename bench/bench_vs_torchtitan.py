@@ -696,9 +696,9 @@ def main(argv=None) -> int:
     p.add_argument("--memory-snapshot", action="store_true", help="one more step per case, from an emptied cache, "
                    "under the CUDA allocator's history: allocated / reserved peaks, what was live at the peak and "
                    "what made the reserve grow, by code line")  # fmt: skip
-    p.add_argument("--sample-first-step", action="store_true", help="sample each case's first step's Python stacks "
-                   "every 10 ms (bench/stack_sampler.py): its seconds by compile phase, and the lines the rest ran under; the "
-                   "sampled step's memory peak is not the program's own (frames kept for sampling)")  # fmt: skip
+    p.add_argument("--sample-first-step", action="store_true", help="sample each case's first step's Python "
+                   "stacks every 10 ms (bench/stack_sampler.py): its seconds by compile phase, and the lines the "
+                   "rest ran under; the sampled step's memory peak is not the program's own")  # fmt: skip
     p.add_argument("--warm-restart", action="store_true", help="run each compiled case once more over the compile "
                    "caches of its first run (a restarted run): first-step time with warm caches")  # fmt: skip
     p.add_argument("--out", default=str(BENCH_DIR / "results" / "bench_vs_torchtitan.json"))

@@ -20,8 +20,9 @@ It then prints, per rank, the GPU memory the step needs, from the real objects:
     `parallelize` keeps it gathered: over a one-rank shard dimension); the largest other
     FSDP2 group (a block, the embedding, or under expert parallelism a block's experts, a group of their own) is
     all-gathered twice over (the group computing and the one prefetched) and its gradients exist unsharded in the
-    compute dtype plus the reduce-scatter input in the reduce dtype. Where FSDP2 shards over one rank (`ParallelizedModel.defer_grad_sync`)
-    every group is gathered once per step and stays gathered through it, so all groups count instead of two;
+    compute dtype plus the reduce-scatter input in the reduce dtype. Where FSDP2 shards over one rank
+    (`ParallelizedModel.defer_grad_sync`) every group is gathered once per step and stays gathered through it, so
+    all groups count instead of two;
   * activations: the model family's estimate (`ModelSpec.activation_memory`; Motif-3's formula is in
     motif/activation_memory.py) at local_batch_size x seq_len / cp tokens and the configured activation
     checkpointing, plus the loss's buffers (trainer/losses.py: per loss head grad hidden [T, H] in the compute

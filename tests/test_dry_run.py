@@ -96,9 +96,10 @@ def test_fsdp_transients_of_the_debug_model():
         math.prod(s) for n, s in unsharded_debug_params() if n.startswith("layers.2.") and not is_fp32_key(n)
     )
     assert r.fsdp.kept_numel == kept and r.fsdp.kept_bytes == 2 * kept * 2  # bf16 params + grads
-    # the largest group gathered at a time: the embedding's [V, H] or, if larger, the first (equal) MoE layer
-    largest = max(moe_layer, a.vocab_size * a.hidden_size)
-    assert r.fsdp.largest_block == ("layers.2" if moe_layer >= a.vocab_size * a.hidden_size else "embed_tokens")
+    # the largest group gathered at a time: at the debug shape the embedding's [V, H] outweighs a MoE layer
+    largest = a.vocab_size * a.hidden_size
+    assert moe_layer < largest
+    assert r.fsdp.largest_block == "embed_tokens"
     assert r.fsdp.largest_block_numel == largest and not r.fsdp.gathered_for_the_step
     assert r.fsdp.all_gather_bytes == 2 * 2 * largest  # the group computing and the one prefetched, bf16
     assert r.fsdp.reduce_scatter_bytes == (2 + 4) * largest  # bf16 grads + the fp32 reduce-scatter input

@@ -29,8 +29,9 @@ Use (docs/architecture.md §2 step 3; the model spec's `parallelize`):
 Choices:
   * Blocks are `layers[i]` and `mtp_layers[k]`. The input embedding is an FSDP2 group of its own (as in
     torchtitan; resharded after its one forward call, as the blocks are) and the root (final norm, lm_head)
-    another (kept gathered from forward to backward: the loss reads the head weight): FSDP2 reduces a group through one flat fp32 buffer of its size, and the two [V, H] matrices together
-    would need 6.7 GiB of it at once (`distributed.fsdp`).
+    another (kept gathered from forward to backward: the loss reads the head weight): FSDP2 reduces a group
+    through one flat fp32 buffer of its size, and the two [V, H] matrices together would need 6.7 GiB of it at
+    once (`distributed.fsdp`).
   * fp32 parameters (the spec's fp32 rule, `state_dict_adapter.is_fp32_key`: router gate, mHC, PolyNorm
     act_fn) are kept OUT of FSDP2: fp32 and replicated on every rank (~2% of motif3_seq's parameters), their
     gradients all-reduced (SUM) by `sync_replicated_grads`. FSDP2's MixedPrecisionPolicy would otherwise hand
@@ -112,7 +113,8 @@ def blocks_compiled_in_pieces(model: nn.Module, expert_parallel: bool, cp_plan, 
 
 
 def block_kind(block: nn.Module) -> str:
-    """What sets a block's compiled graphs apart: its class, attention window and feed-forward (dense / MoE)."""
+    """What sets a block's compiled graphs apart: its class, attention window and feed-forward (dense / MoE). (With
+    flash-attn-4 the window no longer does, `masks.window_tensor`; keeping it apart only costs one more code copy.)"""
     window = block.self_attn.window
     ffn = "moe" if getattr(block, "moe", None) is not None else "dense"
     return f"{type(block).__name__}_{'full' if window is None else f'window{window}'}_{ffn}"

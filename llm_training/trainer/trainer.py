@@ -545,7 +545,7 @@ class Trainer:
                 rec.step_time_s = time.perf_counter() - t0
                 if compiling:
                     compiled = compile_stats(_COMPILE_REASONS)
-                    line, warning = compile_report(compile_stats(), self.parallel.blocks_compiled_in_pieces)
+                    line, warning = compile_report(compiled, self.parallel.blocks_compiled_in_pieces)
                     logger.info(line)
                     if warning:
                         logger.warning(warning)

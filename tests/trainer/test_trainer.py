@@ -328,7 +328,7 @@ def test_a_later_step_that_compiles_is_named_with_its_guard_failure(make_config,
     }  # fmt: skip
     later = {**first, "compiled_frames": 4, "recompiles": 3}
     later["guard_failures"] = [*first["guard_failures"], "forward: 0/1: tensor 'cu_seqlens' size mismatch at index 0"]
-    snapshots = iter([first, first, first, later, later])  # first step: snapshot + report; steps 2, 3, 4
+    snapshots = iter([first, first, later, later])  # first step (snapshot and report), steps 2, 3, 4
     monkeypatch.setattr(parallelize, "apply_compile", lambda blocks, sublayers=False: None)
     monkeypatch.setattr(trainer_module, "compile_stats", lambda max_reasons=8: next(snapshots))
     with caplog.at_level("INFO"):

@@ -12,9 +12,9 @@ So, when the step is compiled, the trainer's local rank 0 starts `python -m llm_
 PLAN` as soon as the model is built on the meta device (`build_components`' `on_model_built`), before it is
 parallelized, materialised and given its optimizer state: those seconds count towards the side process's head start
 (one H100, session 22: started after them, the side process lost the race for the forward kernel of one of two
-harness cases, 2.5 s of CuTe build in the training process). That process runs every kind of attention the model sends to flash-attn-4 once, forward and
-backward, through the same `fa4_attention` the layers call, and exits; the kernels land in the cache while the
-training process traces and compiles its graphs, and its first attention call loads them (no build) instead of
+harness cases, 2.5 s of CuTe build in the training process). That process runs every kind of attention the model
+sends to flash-attn-4 once, forward and backward, through the same `fa4_attention` the layers call, and exits; the
+kernels land in the cache while the training process traces and compiles its graphs, and its first attention call loads them (no build) instead of
 compiling. A kernel the side process has not finished when training needs it is simply built by the training
 process too (the first export wins, the second is skipped). Nothing waits for the side process, and its failure
 only costs the time it would have saved (a warning says why).
