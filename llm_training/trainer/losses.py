@@ -73,7 +73,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     fp32 accumulation); logits, log-softmax, losses and d(loss)/d(logits) are fp32; the weight gradient is
     accumulated in fp32. Forward computes, per chunk, the losses and the weighted gradients w.r.t. the hidden
     chunk and the weight (w_t (softmax - onehot)); backward multiplies the stored gradients by the incoming
-    scalar. Peak extra memory: one `[chunk, V]` fp32 block (+ its compute-dtype copy) + the input gradients.
+    scalar. Peak extra memory: one `[chunk, V]` fp32 block (+ its compute-dtype gradient: written over that block
+    by the CUDA kernel, `cross_entropy_kernels`; a buffer of its own elsewhere) + the input gradients.
     """
 
     @staticmethod
