@@ -10,9 +10,9 @@ proxy_16e, session 20: that 6.72 GiB request grew the reserve by 5.76 GiB with 1
 reserved with the split). Like the blocks, it is resharded after its forward (the model looks the trunk's and the
 MTP modules' ids up in one call): its gathered bf16 [V, H] table (1.7 GiB at Motif-3's vocabulary, on every rank)
 is not held through the loss, where the step's memory peaks, and is gathered again for its backward. Over a
-one-rank shard dimension `parallelize_motif` keeps every group gathered for the whole step instead (its gathers
-are only casts; `ParallelizedModel.defer_grad_sync`), the embedding too (one H100, session 22: its table was
-1.68 GiB of the 66.4 GiB allocated at the peak of bench_vs_torchtitan's one-GPU proxy_16e step). Parameters named in
+one-rank shard dimension `parallelize_motif` keeps every other group gathered for the whole step (its gathers are
+only casts; `ParallelizedModel.defer_grad_sync`) but still reshards the embedding (one H100, session 22: its table
+was 1.68 GiB of the 66.4 GiB allocated at the peak of bench_vs_torchtitan's one-GPU proxy_16e step). Parameters named in
 `replicated_param_names` stay out of FSDP2 (`ignored_params`): full, in their own dtype, on every rank;
 `ReplicatedGradSync` all-reduces their gradients.
 

@@ -183,6 +183,11 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
     single_shard = mesh["dp_shard_cp"].size() == 1
     if single_shard:  # one all-gather per optimizer step (ParallelizedModel.defer_grad_sync)
         model.set_reshard_after_forward(False)
+        # but the input embedding's table, which no later forward reads and its lookup's backward does not need,
+        # would sit in every micro-batch's loss peak (1.7 GiB at Motif-3's vocabulary; one H100, session 22): it is
+        # resharded after its forward and cast again for its backward (about 5 GiB of memory traffic, ~2 ms on an
+        # H100, per micro-batch: estimated, not yet measured)
+        model.embed_tokens.set_reshard_after_forward(True, recurse=False)
     if fsdp_mesh.size() == 1:
         # one rank, no replicas: the gradient "reduction" is local copies with nothing to overlap, and on FSDP2's
         # side stream its fp32 gradients stay cached where the next forward cannot reuse them (one H200,

@@ -87,9 +87,10 @@ def _worker(rank, world, port, path, dp_replicate=1):
         normalisers = count_labelled_tokens(mine.targets())
         dist.all_reduce(normalisers)
 
-        def after_forward():  # the embedding (called once, MTP ids too) is resharded; the root keeps the head
-            # (over a one-rank shard dim, HSDP 2 x 1, every group stays gathered for the step: defer_grad_sync)
-            assert isinstance(model.embed_tokens.weight, DTensor) == (not parallel.defer_grad_sync)
+        def after_forward():  # the embedding (called once, MTP ids too) is resharded; the root keeps the head;
+            # over a one-rank shard dim (HSDP 2 x 1) every other group stays gathered for the step (defer_grad_sync)
+            assert isinstance(model.embed_tokens.weight, DTensor)
+            assert isinstance(model.layers[0].self_attn.wq_b.weight, DTensor) == (not parallel.defer_grad_sync)
             assert not isinstance(model.lm_head.weight, DTensor)
 
         loss = _loss_and_grads(model, mine, normalisers, 1.0 / world, after_forward)
