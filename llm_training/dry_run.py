@@ -21,8 +21,8 @@ It then prints, per rank, the GPU memory the step needs, from the real objects:
     FSDP2 group (a block, the embedding, or under expert parallelism a block's experts, a group of their own) is
     all-gathered twice over (the group computing and the one prefetched) and its gradients exist unsharded in the
     compute dtype plus the reduce-scatter input in the reduce dtype. Where FSDP2 shards over one rank
-    (`ParallelizedModel.defer_grad_sync`) every group is gathered once per step and stays gathered through it, so
-    all groups count instead of two;
+    (`ParallelizedModel.defer_grad_sync`) every group but the embedding is gathered once per step and stays
+    gathered through it, so all of them count instead of two;
   * activations: the model family's estimate (`ModelSpec.activation_memory`; Motif-3's formula is in
     motif/activation_memory.py) at local_batch_size x seq_len / cp tokens and the configured activation
     checkpointing, plus the loss's buffers (trainer/losses.py: per loss head grad hidden [T, H] in the compute
@@ -146,6 +146,7 @@ class FsdpShard:
     padded_numel: int
     unsharded_numel: int
     kept_gathered: bool = False
+    reshards_after_forward: bool = True  # False: FSDP2 keeps the group gathered from its forward on
 
 
 def fsdp_shards(model: nn.Module) -> dict[int, FsdpShard]:
@@ -157,10 +158,12 @@ def fsdp_shards(model: nn.Module) -> dict[int, FsdpShard]:
         if not isinstance(module, FSDPModule):
             continue
         group = module._get_fsdp_state()._fsdp_param_group
-        kept = fqn == "" or (isinstance(module, nn.Embedding) and group.post_forward_mesh_info is None)
+        reshards = group is not None and group.post_forward_mesh_info is not None
+        kept = fqn == "" or (isinstance(module, nn.Embedding) and not reshards)
         for fp in group.fsdp_params if group is not None else ():
             padded = fp.padded_sharded_param_size.numel()
-            out[id(fp.sharded_param)] = FsdpShard(fqn, padded, padded * fp.mesh_info.shard_mesh_size, kept)
+            unsharded = padded * fp.mesh_info.shard_mesh_size
+            out[id(fp.sharded_param)] = FsdpShard(fqn, padded, unsharded, kept, reshards and fqn != "")
     return out
 
 
@@ -248,12 +251,13 @@ class FsdpTransients:
     largest_block_numel: int
     compute_dtype: torch.dtype  # of the gathered parameters and their gradients
     reduce_dtype: torch.dtype  # of the gradient reduce-scatter
-    blocks_numel: int = 0  # every other group together
+    blocks_numel: int = 0  # every other group together that stays gathered from its forward on
     gathered_for_the_step: bool = False  # one-rank shards: every group stays gathered through the step
 
     @property
     def gathered_numel(self) -> int:
-        """Elements of the other groups gathered at the peak: two groups, or all of them for the step."""
+        """Elements of the other groups gathered at the peak: two groups, or (one-rank shards) every group that
+        stays gathered from its forward on (all but the embedding)."""
         return self.blocks_numel if self.gathered_for_the_step else 2 * self.largest_block_numel
 
     @property
@@ -276,16 +280,15 @@ class FsdpTransients:
 def fsdp_transients(
     shards: dict[int, FsdpShard], compute: torch.dtype, reduce: torch.dtype, gathered_for_the_step: bool = False
 ) -> FsdpTransients:
-    kept, blocks = 0, defaultdict(int)
+    kept, blocks, staying = 0, defaultdict(int), 0
     for s in shards.values():
         if s.kept_gathered:
             kept += s.unsharded_numel
         else:
             blocks[s.group] += s.unsharded_numel
+            staying += 0 if s.reshards_after_forward else s.unsharded_numel
     largest = max(blocks, key=blocks.get) if blocks else ""
-    return FsdpTransients(
-        kept, largest, blocks.get(largest, 0), compute, reduce, sum(blocks.values()), gathered_for_the_step
-    )
+    return FsdpTransients(kept, largest, blocks.get(largest, 0), compute, reduce, staying, gathered_for_the_step)
 
 
 @dataclass(frozen=True)
