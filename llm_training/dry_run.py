@@ -27,7 +27,7 @@ It then prints, per rank, the GPU memory the step needs, from the real objects:
     motif/activation_memory.py) at local_batch_size x seq_len / cp tokens and the configured activation
     checkpointing, plus the loss's buffers (trainer/losses.py: per loss head grad hidden [T, H] in the compute
     dtype, and one grad weight [V, H] fp32 for all heads (one shared pass), kept until the backward, and one
-    [chunk, V] logits block while it runs);
+    fp32 [chunk, V] logits block while it runs, over which the CUDA kernel writes its bf16 gradient);
     peak = saved + max(loss buffers + chunk, one block's recomputation).
 Total = parameters + gradients + optimizer state + FSDP2 transients + activation peak, against
 `[job] dry_run_gpu_memory_gib`. It does not count the CUDA context, NCCL buffers, kernel workspaces, Muon's
@@ -297,7 +297,7 @@ class LossBuffers:
 
     heads: int
     kept_bytes: int  # grad hidden per head + one fp32 grad weight (the heads share one pass), forward to backward
-    chunk_bytes: int  # one [chunk, V] logits block (fp32 + compute dtype) while a head runs
+    chunk_bytes: int  # one [chunk, V] fp32 logits block (+ a compute-dtype gradient block, unless written over it)
 
 
 def loss_buffers(head_weight_VH: torch.Tensor, heads: int, tokens: int, compute: torch.dtype) -> LossBuffers:
@@ -305,7 +305,10 @@ def loss_buffers(head_weight_VH: torch.Tensor, heads: int, tokens: int, compute:
 
     V, H = head_weight_VH.shape
     kept = heads * tokens * H * compute.itemsize + V * H * 4
-    return LossBuffers(heads, kept, min(tokens, default_chunk_tokens(V)) * V * (4 + compute.itemsize))
+    # the CUDA chunk kernel writes a 2-byte (bf16 / fp16) logit gradient over the fp32 logits it reads
+    # (trainer/cross_entropy_kernels.py); any other compute dtype gets a gradient block of its own
+    per_element = 4 if compute.itemsize == 2 else 4 + compute.itemsize
+    return LossBuffers(heads, kept, min(tokens, default_chunk_tokens(V)) * V * per_element)
 
 
 @dataclass
