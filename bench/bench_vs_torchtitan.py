@@ -597,6 +597,17 @@ def _num(v, spec: str) -> str:
     return "n/a" if v is None else format(v, spec)
 
 
+def format_rebuilt(rebuilt: list[dict], limit: int = 6) -> str:
+    """`jit_timing`'s `rebuilt` as one line: each kernel with its number of specializations and, per argument whose
+    specialization differed, the variants ("_ce_chunk_kernel x2 (weight_ptr: *fp32 D16 | *fp32)")."""
+    parts = []
+    for r in rebuilt[:limit]:
+        differs = "; ".join(f"{arg}: {' | '.join(variants)}" for arg, variants in r["differs"].items())
+        parts.append(f"{r['kernel']} x{r['specializations']} ({differs or 'same arguments'})")
+    more = len(rebuilt) - limit
+    return ", ".join(parts) + (f", and {more} more" if more > 0 else "")
+
+
 def first_step_breakdown(row: dict) -> str:
     """The first step's wall seconds split into torch.compile's forward and backward compiles, the JIT builds
     outside them (bench/jit_timing.py: Triton, flash-attn-4's CuTe DSL, inductor's first-launch autotuning) and the
@@ -645,6 +656,9 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
             if slowest:
                 builds = ", ".join(f"{e['s']:.1f} s {e['kernel'][:48]}" for e in slowest)
                 lines.append(f"{r['case']:<36}slowest JIT builds: {builds}")
+            rebuilt = format_rebuilt((r.get("first_step_jit") or {}).get("rebuilt", []))
+            if rebuilt:
+                lines.append(f"{r['case']:<36}Triton kernels built more than once: {rebuilt}")
             if r.get("first_step_samples"):
                 lines += [f"{r['case']:<36}{line}" for line in format_samples(r["first_step_samples"])]
                 lines.append(f"{r['case']:<36}first step sampled: its memory figures are not the program's own")

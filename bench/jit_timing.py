@@ -18,6 +18,11 @@ What it times (wall seconds spent inside each call, summed; nested calls are cou
 Each is patched only if its library imports (a label whose library is missing is left out of the summary); with
 Triton >= 3.4 its compile listener also counts the builds (`triton_builds`) and the on-disk cache hits
 (`triton_cache_hits`). The patches are undone on exit.
+
+A Triton kernel compiled under more than one specialization (Triton specialises a launch on its arguments' dtypes,
+on integers equal to 1 or divisible by 16, on pointers aligned to 16 bytes, on the constexprs and launch options) is
+built once per specialization: `rebuilt` in the summary names each such kernel, how many specializations it had and
+the arguments whose specialization differed, e.g. a weight pointer 16-byte aligned in one chunk and not in the next.
 """
 
 from __future__ import annotations
@@ -50,11 +55,31 @@ class JitTimes:
     calls: dict[str, int] = field(default_factory=dict)
     patched: list[str] = field(default_factory=list)
     each: list[tuple[float, str, str]] = field(default_factory=list)  # (seconds, label, kernel name) per call
+    # Triton kernel name -> the distinct specializations it was compiled under (`_specialization`), in order
+    specializations: dict[str, list[dict[str, str]]] = field(default_factory=dict)
 
-    def add(self, label: str, seconds: float, name: str = "") -> None:
+    def add(self, label: str, seconds: float, name: str = "", specialization: dict[str, str] | None = None) -> None:
         self.seconds[label] = self.seconds.get(label, 0.0) + seconds
         self.calls[label] = self.calls.get(label, 0) + 1
         self.each.append((seconds, label, name))
+        if specialization is not None:
+            seen = self.specializations.setdefault(name, [])
+            if specialization not in seen:
+                seen.append(specialization)
+
+    def rebuilt(self) -> list[dict]:
+        """Each kernel compiled under more than one specialization: {"kernel", "specializations": n, "differs":
+        {argument: [its specialization in each, in order]}}, most specializations first."""
+        out = []
+        for name, specs in self.specializations.items():
+            if len(specs) < 2:
+                continue
+            keys = list(dict.fromkeys(k for spec in specs for k in spec))
+            differs = {
+                k: [spec.get(k, "-") for spec in specs] for k in keys if len({spec.get(k) for spec in specs}) > 1
+            }
+            out.append({"kernel": name, "specializations": len(specs), "differs": differs})
+        return sorted(out, key=lambda r: -r["specializations"])
 
     def summary(self) -> dict:
         """{label_s: seconds, label_calls: n} for every label that was patched (0 when nothing ran)."""
@@ -70,7 +95,36 @@ class JitTimes:
             {"s": round(sec, 2), "what": label, "kernel": name[:160]}
             for sec, label, name in sorted(self.each)[::-1][:12]
         ]
+        if self.specializations:
+            out["rebuilt"] = self.rebuilt()
         return out
+
+
+def _specialization(args: tuple, kwargs: dict) -> dict[str, str] | None:
+    """What a `triton.compile(src, target, options)` call specialised its kernel on, per argument name ("*fp32 D16":
+    a pointer 16-byte aligned; "i32 =4096" a constexpr's value) plus the launch options that key a build
+    ("options.num_warps"); None for a source that is not a Triton function's (`ASTSource`: fn, signature,
+    constants, attrs)."""
+    src = args[0] if args else kwargs.get("src")
+    fn, signature = getattr(src, "fn", None), getattr(src, "signature", None)
+    if fn is None or not isinstance(signature, dict):
+        return None
+    constants = getattr(src, "constants", None) or {}
+    attrs = getattr(src, "attrs", None) or {}
+    spec = {}
+    for i, name in enumerate(getattr(fn, "arg_names", None) or list(signature)):
+        parts = [str(signature.get(name, "?"))]
+        if (i,) in constants:
+            parts.append(f"={constants[(i,)]}")
+        for attr, value in attrs.get((i,), ()):
+            parts.append("D16" if (attr, value) == ("tt.divisibility", 16) else f"{attr}={value}")
+        spec[name] = " ".join(parts)
+    options = kwargs.get("options", args[2] if len(args) > 2 else None)
+    if isinstance(options, dict):
+        for key in ("num_warps", "num_stages", "num_ctas"):
+            if key in options:
+                spec[f"options.{key}"] = str(options[key])
+    return spec
 
 
 def _kernel_name(args: tuple) -> str:
@@ -99,7 +153,8 @@ def _timed(fn: Callable, label: str, times: JitTimes, depth: threading.local) ->
         finally:
             setattr(depth, label, getattr(depth, label) - 1)
             if outer:
-                times.add(label, time.perf_counter() - start, _kernel_name(args))
+                spec = _specialization(args, kwargs) if label == "triton_compile" else None
+                times.add(label, time.perf_counter() - start, _kernel_name(args), spec)
 
     wrapper.__wrapped__ = fn
     return wrapper

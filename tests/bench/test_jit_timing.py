@@ -69,3 +69,47 @@ def test_first_step_line_adds_up_to_the_first_step():
     line = bvt.first_step_breakdown(row)
     assert line == ("80.0 s = compile fwd 30.0 + bwd 15.0 + triton 10.0 (12x) + cute 8.0 (4x) + autotune 2.0"
                     " + rest 15.0")  # fmt: skip
+
+
+class _Fn:  # what `_specialization` reads of a Triton JITFunction: its name and argument names
+    def __init__(self, name, *arg_names):
+        self.__name__, self.arg_names = name, list(arg_names)
+
+
+class _Source:  # what it reads of Triton's ASTSource: fn, signature, constants, attrs
+    def __init__(self, fn, signature, constants, attrs):
+        self.fn, self.signature, self.constants, self.attrs = fn, signature, constants, attrs
+
+
+def test_a_kernel_built_under_two_specializations_names_the_argument_that_differed(monkeypatch):
+    fake = types.ModuleType("fake_triton")
+    fake.compile = lambda src, target=None, options=None: "kernel"
+    monkeypatch.setitem(sys.modules, "fake_triton", fake)
+    monkeypatch.setattr(jit_timing, "_TARGETS", (("triton_compile", "fake_triton", "", "compile"),))
+    fn = _Fn("_ce_chunk_kernel", "logits_ptr", "weight_ptr", "V")
+    signature = {"logits_ptr": "*fp32", "weight_ptr": "*fp32", "V": "constexpr"}
+    aligned = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+    with jit_timing.jit_time_breakdown() as jit:
+        for attrs in (aligned, {(0,): [["tt.divisibility", 16]]}, aligned):  # chunk 0, chunk 1, chunk 2
+            fake.compile(_Source(fn, signature, {(2,): 220160}, attrs), None, options={"num_warps": 8})
+        fake.compile(
+            _Source(_Fn("_poly_fwd_kernel", "x"), {"x": "*bf16"}, {}, {}), options={"num_warps": 4}
+        )  # one specialization
+    summary = jit.summary()
+    assert summary["triton_compile_calls"] == 4
+    assert summary["rebuilt"] == [
+        {"kernel": "_ce_chunk_kernel", "specializations": 2, "differs": {"weight_ptr": ["*fp32 D16", "*fp32"]}}
+    ]
+    assert jit.specializations["_ce_chunk_kernel"][0] == {
+        "logits_ptr": "*fp32 D16", "weight_ptr": "*fp32 D16", "V": "constexpr =220160", "options.num_warps": "8"
+    }  # fmt: skip
+    bvt = _load("bench_vs_torchtitan")
+    assert bvt.format_rebuilt(summary["rebuilt"]) == "_ce_chunk_kernel x2 (weight_ptr: *fp32 D16 | *fp32)"
+    assert bvt.format_rebuilt([]) == ""
+
+
+def test_a_compile_of_something_else_than_a_triton_function_records_no_specialization():
+    assert jit_timing._specialization(("ttir text",), {}) is None
+    assert jit_timing._specialization((), {"src": _Source(_Fn("k", "x"), {"x": "i32"}, {}, {(0,): [["tt.equal_to", 1]]})}) == {
+        "x": "i32 tt.equal_to=1"
+    }  # fmt: skip
