@@ -102,7 +102,7 @@ class JitTimes:
 
 def _specialization(args: tuple, kwargs: dict) -> dict[str, str] | None:
     """What a `triton.compile(src, target, options)` call specialised its kernel on, per argument name ("*fp32 D16":
-    a pointer 16-byte aligned; "i32 =4096" a constexpr's value) plus the launch options that key a build
+    a pointer 16-byte aligned; "constexpr =4096" a constexpr's value) plus the launch options that key a build
     ("options.num_warps"); None for a source that is not a Triton function's (`ASTSource`: fn, signature,
     constants, attrs)."""
     src = args[0] if args else kwargs.get("src")
