@@ -36,9 +36,9 @@ keep some headroom (a few GiB and ~5-10%).
 
 The dry run models the job on CUDA GPUs: `parallelize` is told the device is CUDA (so a one-rank job gets its
 one-rank FSDP2 in `[training] mixed_precision_param`, as on a GPU) while the mesh is a CPU one; with the model on
-meta nothing is allocated on either. Ranks: rank 0 holds the largest shard of every FSDP2-sharded tensor (dim-0 ceil split) and the last rank
-the smallest, every other rank lies between, and no rank differs in its activations (same local batch), so
-those two are set up and reported (one rank when the world has one).
+meta nothing is allocated on either. Ranks: rank 0 holds the largest shard of every FSDP2-sharded tensor (dim-0
+ceil split) and the last rank the smallest, every other rank lies between, and no rank differs in its activations
+(same local batch), so those two are set up and reported (one rank when the world has one).
 
 Exit codes: 0 when every reported rank fits, DOES_NOT_FIT (3) when one does not; configuration errors raise
 ConfigError (the entrypoint's exit code 2).

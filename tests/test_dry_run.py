@@ -17,7 +17,6 @@ from llm_training.motif.model import Motif3Model
 from llm_training.motif.spec import MOTIF3_SPEC
 from llm_training.motif.state_dict_adapter import is_fp32_key
 from llm_training.train import main
-from llm_training.trainer.losses import default_chunk_tokens
 from optimizer import group_parameters
 
 TRAIN_CONFIGS = "llm_training/motif/train_configs"
@@ -125,8 +124,9 @@ def test_loss_buffers_and_tokens_follow_the_local_batch():
     assert r.activations.tokens == 2 * 256
     heads = 1 + a.num_nextn_predict_layers
     assert r.loss.kept_bytes == heads * 512 * a.hidden_size * 2 + a.vocab_size * a.hidden_size * 4
-    # one fp32 [chunk, V] logits block: the bf16 gradient is written over it (trainer/cross_entropy_kernels.py)
-    assert r.loss.chunk_bytes == min(512, default_chunk_tokens(a.vocab_size)) * a.vocab_size * 4
+    # one fp32 [chunk, V] logits block of all 512 tokens (V = 2048 is far under the 2 GiB chunk), 4 bytes per
+    # element, not 4 + 2: the bf16 gradient is written over it (trainer/cross_entropy_kernels.py)
+    assert r.loss.chunk_bytes == 512 * 2048 * 4 and a.vocab_size == 2048
 
 
 # ------------------------------------------------------------------------------- the verdict and the entrypoint

@@ -110,6 +110,5 @@ def test_a_kernel_built_under_two_specializations_names_the_argument_that_differ
 
 def test_a_compile_of_something_else_than_a_triton_function_records_no_specialization():
     assert jit_timing._specialization(("ttir text",), {}) is None
-    assert jit_timing._specialization((), {"src": _Source(_Fn("k", "x"), {"x": "i32"}, {}, {(0,): [["tt.equal_to", 1]]})}) == {
-        "x": "i32 tt.equal_to=1"
-    }  # fmt: skip
+    src = _Source(_Fn("k", "x"), {"x": "i32"}, {}, {(0,): [["tt.equal_to", 1]]})
+    assert jit_timing._specialization((), {"src": src}) == {"x": "i32 tt.equal_to=1"}

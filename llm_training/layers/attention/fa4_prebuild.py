@@ -14,10 +14,10 @@ parallelized, materialised and given its optimizer state: those seconds count to
 (one H100, session 22: started after them, the side process lost the race for the forward kernel of one of two
 harness cases, 2.5 s of CuTe build in the training process). That process runs every kind of attention the model
 sends to flash-attn-4 once, forward and backward, through the same `fa4_attention` the layers call, and exits; the
-kernels land in the cache while the training process traces and compiles its graphs, and its first attention call loads them (no build) instead of
-compiling. A kernel the side process has not finished when training needs it is simply built by the training
-process too (the first export wins, the second is skipped). Nothing waits for the side process, and its failure
-only costs the time it would have saved (a warning says why).
+kernels land in the cache while the training process traces and compiles its graphs, and its first attention call
+loads them (no build) instead of compiling. A kernel the side process has not finished when training needs it is
+simply built by the training process too (the first export wins, the second is skipped). Nothing waits for the
+side process, and its failure only costs the time it would have saved (a warning says why).
 
 The prebuild runs small shapes: flash-attn-4 4.0.0b36's compile keys (`flash_attn/cute/interface.py`) hold the
 dtype, head dims, query heads per KV head, causal / window, varlen, the GPU arch and the kernel's tile config, which
