@@ -38,11 +38,17 @@ IGNORE_INDEX = -100
 # (bench/bench_loss.py, T 16384, V 220160, H 4096, fwd+bwd): 1 GiB 153.0 ms, 2 GiB 145.8 ms (+1.2 GiB peak),
 # 4 GiB 144.8 ms (+4.2 GiB): 2 GiB takes nearly all of the gain.
 _DEFAULT_CHUNK_ELEMENTS = 1 << 29
+# Chunks are whole multiples of 128 tokens: the logits and hidden-gradient GEMMs tile rows by 128 (a part-empty
+# last tile is a full tile's work), and chunk offsets that are multiples of 4 tokens keep every chunk's slice of
+# the fp32 token weights 16-byte aligned, so the chunk kernel is built for one alignment, not two.
+_CHUNK_TOKEN_MULTIPLE = 128
 
 
 def default_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk so that one fp32 logits chunk stays around 2 GiB (2438 tokens at V = 220160)."""
-    return max(1, _DEFAULT_CHUNK_ELEMENTS // vocab_size)
+    """Tokens per chunk: one fp32 logits chunk at most 2 GiB, rounded down to whole 128-token tiles (2432 tokens
+    at V = 220160). Vocabularies so large that not even 128 tokens fit take what fits (at least one token)."""
+    fit = max(1, _DEFAULT_CHUNK_ELEMENTS // vocab_size)
+    return fit - fit % _CHUNK_TOKEN_MULTIPLE if fit >= _CHUNK_TOKEN_MULTIPLE else fit
 
 
 @functools.cache

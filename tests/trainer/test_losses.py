@@ -7,11 +7,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llm_training.trainer.losses import (
     IGNORE_INDEX,
     count_labelled_tokens,
+    default_chunk_tokens,
     linear_cross_entropy_segments,
     linear_cross_entropy_sum,
     micro_batch_loss,
     shift_labels,
 )
+
+
+def test_default_chunk_is_whole_row_tiles_within_its_2_gib():
+    """Motif-3's vocabulary: 2^29 / 220160 = 2438 tokens fit; the chunk is 19 whole 128-row tiles (2432), so no
+    part-empty 20th tile and every chunk offset is 16-byte aligned in fp32. A vocabulary too large for 128 tokens
+    keeps what fits."""
+    assert default_chunk_tokens(220160) == 2432
+    assert default_chunk_tokens(1 << 20) == 512
+    assert default_chunk_tokens(3_000_000) == 128  # 178 fit
+    assert default_chunk_tokens(5_000_000) == 107
+    assert default_chunk_tokens(1 << 31) == 1
 
 
 def _reference_ce_sum(hidden, weight, labels):
