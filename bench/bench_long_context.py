@@ -51,7 +51,9 @@ from llm_training.trainer import Trainer
 GIB = 2**30
 
 
-def job_config(flavor, seq_len, ac, device, backend, steps, dump, gpu_gib, cp=1, cp_mode="ulysses", compiled=False):
+def job_config(
+    flavor, seq_len, ac, device, backend, steps, dump, gpu_gib, cp=1, cp_mode="ulysses", compiled=False, keep=True
+):
     bf16 = device != "cpu"
     return ConfigManager().parse_args([
         "--job.config_file", str(PACKAGE_DIR / "motif" / "train_configs" / "debug_cpu.toml"),
@@ -62,6 +64,7 @@ def job_config(flavor, seq_len, ac, device, backend, steps, dump, gpu_gib, cp=1,
         f"--activation_checkpoint.mode={ac}", "--metrics.save_jsonl=false", "--lr_scheduler.warmup_steps=1",
         f"--job.dry_run_gpu_memory_gib={gpu_gib}", f"--parallelism.context_parallel_degree={cp}",
         f"--parallelism.context_parallel_mode={cp_mode}", f"--compile.enable={'true' if compiled else 'false'}",
+        f"--activation_checkpoint.keep_full_attention={'true' if keep else 'false'}",
     ])  # fmt: skip
 
 
@@ -153,6 +156,13 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gpu-gib", type=float, default=139.0, help="GPU memory the estimate is checked against")
     p.add_argument("--stop-on-oom", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--keep-full-attention",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="[activation_checkpoint] keep_full_attention (long_context: flash-attn-4's full-attention output kept "
+        "for the backward, not recomputed); --no-keep-full-attention measures the recompute",
+    )
     p.add_argument("--dump", default="/tmp/bench_long_context_outputs")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_long_context.json"))
     a = p.parse_args(argv)
@@ -167,11 +177,12 @@ def main(argv=None) -> int:
     seq_lens = [int(s) for s in a.seq_lens.split(",")]
     compiled = a.device == "cuda" if a.compile is None else a.compile
     run = (a.ac, a.device, a.attention_backend, a.warmup + a.steps, a.dump, a.gpu_gib, a.cp, a.cp_mode)
-    cfgs = {S: job_config(a.flavor, S, *run, compiled=compiled) for S in seq_lens}
+    cfgs = {S: job_config(a.flavor, S, *run, compiled=compiled, keep=a.keep_full_attention) for S in seq_lens}
     rows = []
     for S in seq_lens:  # every estimate first: the dry run needs a process without a process group
         row = {"flavor": a.flavor, "seq_len": S, "ac": a.ac, "attention_backend": a.attention_backend, "cp": a.cp,
-               "cp_mode": a.cp_mode if a.cp > 1 else None, "compile": compiled}  # fmt: skip
+               "cp_mode": a.cp_mode if a.cp > 1 else None, "compile": compiled,
+               "keep_full_attention": a.keep_full_attention}  # fmt: skip
         try:
             row.update(estimate(cfgs[S]))
         except Exception as e:  # noqa: BLE001 - a failing estimate must not hide the measurement
@@ -201,7 +212,7 @@ def main(argv=None) -> int:
     layout = f"context parallel {a.cp} ({a.cp_mode})" if a.cp > 1 else "one device"
     print(
         f"device: {gpu}; flavor {a.flavor}, AC {a.ac}, attention {a.attention_backend}, batch 1, {layout}, "
-        f"{'compiled' if compiled else 'eager'}"
+        f"{'compiled' if compiled else 'eager'}, full attention {'kept' if a.keep_full_attention else 'recomputed'}"
     )
     print(f"{'seq':>8}{'s/step':>9}{'tok/s':>9}{'first s':>9}{'peak GiB':>10}{'est GiB':>9}{'est act':>9}  status")
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731

@@ -355,6 +355,20 @@ class RankReport:
         return self.headroom_bytes >= 0
 
 
+def keeps_attention(job_config, parallel_dims, model_args) -> bool:
+    """Whether the full-attention layers can keep flash-attn-4's result across the recompute
+    (`[activation_checkpoint] keep_full_attention` under long_context): the attention kernel is flash-attn-4 on the
+    GPUs the dry run plans for (fa4, or auto, which picks it on SM90 / SM100) and full attention is not ring
+    attention (context parallel in ring mode, or Ulysses falling back to it), which keeps nothing."""
+    from llm_training.distributed.context_parallel import plan_context_parallel
+
+    ac, p = job_config.activation_checkpoint, job_config.parallelism
+    if not (ac.mode == "long_context" and ac.keep_full_attention and job_config.kernels.attention in ("auto", "fa4")):
+        return False
+    cp = parallel_dims.cp
+    return cp == 1 or plan_context_parallel(model_args, cp, p.context_parallel_mode).full_attention == "ulysses"
+
+
 def measure_rank(job_config, world_size: int, rank: int) -> RankReport:
     """Set the job up as `rank` of `world_size` (fake process group, its own mesh, meta model) and measure it."""
     from llm_training.motif.spec import MOTIF3_SPEC as spec
@@ -363,6 +377,7 @@ def measure_rank(job_config, world_size: int, rank: int) -> RankReport:
     t = job_config.training
     compute, reduce = getattr(torch, t.mixed_precision_param), getattr(torch, t.mixed_precision_reduce)
     tokens = t.local_batch_size * t.seq_len // parallel_dims.cp
+    ac_mode = job_config.activation_checkpoint.mode
     with fake_process_group(rank, parallel_dims.world_size):
         job = build_job(job_config, parallel_dims)
         shards = fsdp_shards(job.model)
@@ -373,7 +388,9 @@ def measure_rank(job_config, world_size: int, rank: int) -> RankReport:
             params=parameter_memory(job.model, shards),
             optimizer=optimizer_memory(job.optimizers),
             fsdp=fsdp_transients(shards, compute, reduce, job.parallel.defer_grad_sync),
-            activations=spec.activation_memory(job.model_args, tokens, job_config.activation_checkpoint.mode, compute),
+            activations=spec.activation_memory(
+                job.model_args, tokens, ac_mode, compute, keeps_attention(job_config, parallel_dims, job.model_args)
+            ),
             loss=loss_buffers(spec.head_weight(job.model), 1 + spec.num_mtp_modules(job.model_args), tokens, compute),
             gpu_bytes=int(job_config.job.dry_run_gpu_memory_gib * GIB),
         )

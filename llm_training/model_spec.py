@@ -67,6 +67,7 @@ class ModelSpec:
     mtp_inputs: Callable[[torch.Tensor, int], list]
     flops_per_token: Callable[[Any, int, str], float]  # (model args, seq_len, MFU convention) -> training FLOPs
     param_counts: Callable[[Any], Any]  # model args -> counts with `total`, `mtp`, `active` (the run's log)
-    # (model args, tokens per rank, activation_checkpoint mode, compute dtype) -> estimate with `saved_bytes` (kept
-    # from forward to backward) and `recompute_bytes` (one block re-materialised in its backward); the dry run's
-    activation_memory: Callable[[Any, int, str, torch.dtype], Any]
+    # (model args, tokens per rank, activation_checkpoint mode, compute dtype, whether full-attention layers keep
+    # their kernel's output across the recompute) -> estimate with `saved_bytes` (kept from forward to backward)
+    # and `recompute_bytes` (one block re-materialised in its backward); the dry run's
+    activation_memory: Callable[[Any, int, str, torch.dtype, bool], Any]

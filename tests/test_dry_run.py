@@ -129,6 +129,28 @@ def test_loss_buffers_and_tokens_follow_the_local_batch():
     assert r.loss.chunk_bytes == 512 * 2048 * 4 and a.vocab_size == 2048
 
 
+@pytest.mark.parametrize(
+    "overrides, kept",
+    [
+        ((), True),  # long_context, attention auto (flash-attn-4 on the GPUs planned for)
+        (("--activation_checkpoint.keep_full_attention=false",), False),
+        (("--kernels.attention=sdpa",), False),  # only flash-attn-4 keeps
+        (("--parallelism.context_parallel_degree=2",), True),  # Ulysses: each rank keeps its heads' result
+        (("--parallelism.context_parallel_degree=2", "--parallelism.context_parallel_mode=ring"), False),
+    ],
+)
+def test_long_context_counts_kept_full_attention_where_flash_attn_4_keeps(overrides, kept):
+    """The dry run counts the full-attention layers' kept flash-attn-4 output under long_context where the
+    layers keep it: the switch on, the kernel flash-attn-4, full attention not ring attention."""
+    argv = ["--job.dry_run_world_size=2", "--activation_checkpoint.mode=long_context", *overrides]
+    activations = measure_rank(parse(*argv), 2, 0).activations
+    a = get_flavor("motif3_debug")
+    assert ("kept full attention" in activations.block_bytes) == kept
+    if kept:
+        each = activations.tokens * a.num_attention_heads * (a.v_head_dim * 2 + 4)
+        assert activations.block_bytes["kept full attention"] == (2, each)  # layers 0 and 4
+
+
 # ------------------------------------------------------------------------------- the verdict and the entrypoint
 def test_fits_and_does_not_fit(capsys):
     base = ["--job.dry_run", "--job.dry_run_world_size=4"]

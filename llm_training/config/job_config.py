@@ -363,6 +363,12 @@ class ActivationCheckpoint:
         "routed experts in checkpointed token chunks, for 64K-256K tokens per GPU)",
         choices=AC_MODES,
     )
+    keep_full_attention: bool = option(
+        True,
+        "under long_context: full-attention layers keep flash-attn-4's forward output (n_heads x v_head_dim + "
+        "n_heads fp32 per token and layer) for the backward instead of recomputing the quadratic kernel; false: "
+        "recompute it (less memory)",
+    )
 
 
 COMPILE_COMPONENTS = ("model", "loss")

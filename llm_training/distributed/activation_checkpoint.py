@@ -6,8 +6,10 @@ elementwise ops). "long_context" (64K-256K tokens per GPU) is "full" plus, insid
 experts run over token chunks of LONG_CONTEXT_MOE_CHUNK_TOKENS, each checkpointed on its own: during a block's
 backward only one chunk's routed rows, expert activations and fp32 combine buffers (which scale with
 tokens x top-k, ~130 KB per token for motif3_small, most of a recomputed MoE block) exist, at the price of one
-more forward of the routed experts. The block's `forward` is wrapped in place, so the module tree and parameter
-FQNs stay the same.
+more forward of the routed experts. With `keep_full_attention` (the default of `[activation_checkpoint]`), its
+full-attention layers also keep flash-attn-4's forward result (out, lse) for the block's recompute, which then
+skips the quadratic kernel (layers/attention/fa4.py, "kept across a recompute"). The block's `forward` is wrapped
+in place, so the module tree and parameter FQNs stay the same.
 """
 
 from __future__ import annotations
@@ -57,15 +59,23 @@ def _checkpoint_block(block: nn.Module, mode: str) -> None:
     block.forward = forward
 
 
-def apply_ac(blocks: list[nn.Module], mode: str) -> None:
-    """Wrap each block's forward for activation checkpointing in `mode` (one of AC_MODES; "none" does nothing)."""
+def apply_ac(blocks: list[nn.Module], mode: str, keep_full_attention: bool = False) -> None:
+    """Wrap each block's forward for activation checkpointing in `mode` (one of AC_MODES; "none" does nothing).
+    `keep_full_attention`: under "long_context", the full-attention layers keep their flash-attn-4 result for the
+    recompute (module docstring); each gets its own slot."""
     if mode not in AC_MODES:
         raise ValueError(f"activation checkpointing mode must be one of {AC_MODES}, got {mode!r}")
     if mode == "none":
         return
+    slot = 0
     for block in blocks:
         _checkpoint_block(block, "full" if mode == "long_context" else mode)
-        if mode == "long_context":
-            for module in block.modules():
-                if hasattr(module, "sequence_chunk_tokens"):  # layers/moe.py MoE
-                    module.sequence_chunk_tokens = LONG_CONTEXT_MOE_CHUNK_TOKENS
+        if mode != "long_context":
+            continue
+        for module in block.modules():
+            if hasattr(module, "sequence_chunk_tokens"):  # layers/moe.py MoE
+                module.sequence_chunk_tokens = LONG_CONTEXT_MOE_CHUNK_TOKENS
+            full_attention = hasattr(module, "keep_output_across_recompute") and module.window is None
+            if keep_full_attention and full_attention:  # layers/attention/gdla.py GDLAttention
+                module.keep_output_across_recompute(slot)
+                slot += 1

@@ -12,7 +12,9 @@ forward for the backward, term by term as the layers save them, under the activa
                 the rest of one block is recomputed on top during its backward
     long_context  as full, but an MoE block's routed-expert terms (rows, gate|up, activations, PolyNorm rstd,
                 the sort order and its inverse, the experts' outputs) exist for one chunk of
-                LONG_CONTEXT_MOE_CHUNK_TOKENS tokens at a time during its backward, not for all tokens
+                LONG_CONTEXT_MOE_CHUNK_TOKENS tokens at a time during its backward, not for all tokens; with
+                `keep_full_attention`, each full-attention trunk layer also keeps its attention kernel's output
+                n_h*d_v b and log-sum-exp n_h f until its backward (flash-attn-4's keep across the recompute)
 
 Outside the blocks: the final norm's input and the final hidden (2H b per token). The loss's buffers are the
 trainer's (the dry run adds them).
@@ -64,7 +66,7 @@ from typing import NamedTuple
 import torch
 
 from llm_training.distributed.activation_checkpoint import LONG_CONTEXT_MOE_CHUNK_TOKENS
-from llm_training.motif.args import Motif3ModelArgs, is_moe_layer
+from llm_training.motif.args import Motif3ModelArgs, is_moe_layer, is_sliding_layer
 
 
 class PerToken(NamedTuple):
@@ -203,10 +205,17 @@ class ActivationEstimate:
         return sum(count * each for count, each in self.block_bytes.values()) + self.outside_blocks_bytes
 
 
+def kept_attention_terms(a: Motif3ModelArgs) -> PerToken:
+    """What a full-attention layer keeps across its block's recompute under long_context with
+    keep_full_attention: the kernel's output and log-sum-exp (layers/attention/fa4.py)."""
+    return PerToken(b=a.num_attention_heads * a.v_head_dim, f=a.num_attention_heads)
+
+
 def estimate_activation_memory(
-    a: Motif3ModelArgs, tokens: int, ac_mode: str, compute_dtype: torch.dtype
+    a: Motif3ModelArgs, tokens: int, ac_mode: str, compute_dtype: torch.dtype, keep_full_attention: bool = False
 ) -> ActivationEstimate:
-    """Activation estimate for `tokens` tokens per rank (local_batch_size x seq_len / cp) under `ac_mode`."""
+    """Activation estimate for `tokens` tokens per rank (local_batch_size x seq_len / cp) under `ac_mode`;
+    `keep_full_attention` ([activation_checkpoint]) counts under long_context only, where it applies."""
     nb = torch.empty((), dtype=compute_dtype).element_size()
     n_moe = sum(is_moe_layer(i, a) for i in range(a.num_hidden_layers))
     kinds = {
@@ -214,6 +223,9 @@ def estimate_activation_memory(
         "MoE layer": (n_moe, trunk_block_terms(a, moe=True)),
         "MTP module": (a.num_nextn_predict_layers, mtp_block_terms(a)),
     }
+    if ac_mode == "long_context" and keep_full_attention:
+        n_full = sum(not is_sliding_layer(i, a) for i in range(a.num_hidden_layers))
+        kinds["kept full attention"] = (n_full, BlockTerms(kept_attention_terms(a), PerToken(), PerToken()))
     kept = {
         "none": lambda t: t.all,
         "full": lambda t: t.input,
@@ -229,7 +241,8 @@ def estimate_activation_memory(
         chunk = min(tokens, LONG_CONTEXT_MOE_CHUNK_TOKENS)
         return tokens * (t.all.bytes(nb) - t.input.bytes(nb) - t.routed.bytes(nb)) + chunk * t.routed.bytes(nb)
 
-    recompute = 0 if ac_mode == "none" else max(recomputed(t) for _, t in present.values())
+    blocks_present = [t for name, (_, t) in present.items() if name != "kept full attention"]
+    recompute = 0 if ac_mode == "none" else max(recomputed(t) for t in blocks_present)
     return ActivationEstimate(
         tokens=tokens,
         ac_mode=ac_mode,

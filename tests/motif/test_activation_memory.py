@@ -111,3 +111,19 @@ def test_long_context_mode_bounds_the_routed_recomputation():
         estimate_activation_memory(a, short, "long_context", torch.bfloat16).recompute_bytes
         == estimate_activation_memory(a, short, "full", torch.bfloat16).recompute_bytes
     )
+
+
+def test_long_context_counts_the_kept_full_attention_outputs():
+    """With keep_full_attention, each full-attention trunk layer keeps its kernel's output (n_h * d_v bf16) and
+    log-sum-exp (n_h fp32) per token until its backward: motif3_small, 16 layers of which 4 full, 20 heads, d_v
+    128, at 131072 tokens: 4 x 131072 x (20 * 128 * 2 + 20 * 4) bytes = 2.5 GiB more kept, the recompute
+    unchanged; other modes ignore the switch."""
+    a = get_flavor("motif3_small")
+    tokens = 131072
+    plain = estimate_activation_memory(a, tokens, "long_context", torch.bfloat16)
+    kept = estimate_activation_memory(a, tokens, "long_context", torch.bfloat16, keep_full_attention=True)
+    assert kept.block_bytes["kept full attention"] == (4, tokens * (20 * 128 * 2 + 20 * 4))
+    assert kept.saved_bytes - plain.saved_bytes == 4 * tokens * 5200
+    assert kept.recompute_bytes == plain.recompute_bytes
+    full = estimate_activation_memory(a, tokens, "full", torch.bfloat16)
+    assert estimate_activation_memory(a, tokens, "full", torch.bfloat16, keep_full_attention=True) == full

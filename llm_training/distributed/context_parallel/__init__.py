@@ -118,9 +118,12 @@ class ContextParallelAttention:
         self.inner_kernel, self.strategy, self.layout, self.group = inner_kernel, strategy, layout, group
 
     def __call__(
-        self, q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits
+        self, q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits, keep_slot=None
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """`keep_slot` (flash-attn-4's keep across a recompute) reaches the inner kernel under Ulysses; ring and
+        halo attention keep nothing (they run eagerly, outside the compiled pieces)."""
         if self.strategy == "ulysses":
+            kernel_options = {} if keep_slot is None else {"keep_slot": keep_slot}
             return ulysses_attention(
                 self.inner_kernel,
                 q_BSHD,
@@ -131,6 +134,7 @@ class ContextParallelAttention:
                 metadata=metadata,
                 record_max_logits=record_max_logits,
                 group=self.group,
+                **kernel_options,
             )
         window = window_value(window)  # ring / halo run eagerly and slice by it (the int form)
         common = dict(

@@ -57,12 +57,14 @@ def ulysses_attention(
     metadata,
     record_max_logits: bool,
     group: dist.ProcessGroup,
+    **kernel_options,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run the attention `kernel` (attention_backends signature) head-sharded on the full sequence.
     q/k/v: local [B, S/cp, ...] shards (contiguous layout); metadata: the AttentionMetadata of the FULL
     sequence (document ids [B, S] or None, block masks for length S), handed to the kernel as is.
     max_logits: full [Hq] vector, exact for this rank's heads and -inf elsewhere (a MAX all-reduce over
-    the cp ranks, or the world, assembles it)."""
+    the cp ranks, or the world, assembles it). `kernel_options` go to the kernel as they are (flash-attn-4's
+    `keep_slot`: each rank keeps the result for its own heads)."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     Hq, Hkv = q_BSHD.shape[2], k_BSKD.shape[2]
     if Hkv % cp != 0:
@@ -75,6 +77,7 @@ def ulysses_attention(
         window=window,
         metadata=metadata,
         record_max_logits=record_max_logits,
+        **kernel_options,
     )
     max_logits = None
     if local_max is not None:

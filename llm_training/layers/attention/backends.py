@@ -10,7 +10,9 @@ q: [B, S, Hq, Dqk]; k: [B, S, Hkv, Dqk]; v: [B, S, Hkv, Dv] with Hq a multiple o
 KV head h // (Hq / Hkv)). Attention is causal; with `window = W` key j is visible to query i iff
 i - W <= j <= i (W + 1 keys including self); with `metadata.document_ids` [B, S], a key is visible only inside
 the query's document. `max_logits` is the fp32 per-query-head max over batch and positions of the scaled
-pre-softmax logit q.k * scale over visible pairs (for QK-clip), or None when not requested.
+pre-softmax logit q.k * scale over visible pairs (for QK-clip), or None when not requested. The kernels that run
+flash-attn-4 (fa4, and auto when it picks fa4: `runs_fa4`) take one more keyword, `keep_slot`: keep the forward's
+result for the recompute of a checkpointed block (`fa4.py`, "kept across a recompute").
 
 `AttentionMetadata` is built ONCE per model forward from the batch's document ids (`build_attention_metadata`,
 outside any compiled region) and passed down to every layer: the document ids and whatever the backend
@@ -240,7 +242,7 @@ def runs_fa4(backend: str, metadata: AttentionMetadata, dtype: torch.dtype) -> b
     return backend == "fa4" or (backend == "auto" and metadata.auto_picks_fa4 and dtype in _FA4_DTYPES)
 
 
-def auto_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits):
+def auto_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits, keep_slot=None):
     """The fastest kernel measured for the device and case:
     - CUDA SM90 / SM100 with flash-attn-4 installed, bf16 / fp16 -> fa4 for every case. Measured on the H200
       by bench/bench_attention.py (bench/results/fa4_h200.log) at the GDLA shape (80 / 16 heads, qk 192 / v 128),
@@ -250,26 +252,29 @@ def auto_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_ma
       windows, and fa4 is 5-7% ahead from 64K on: one kernel for every case. In fp32 (a debug setting) -> sdpa.
     - other CUDA with a window or documents -> FlexAttention (SDPA would fall back to its math kernel for
       qk 192 / v 128 with a mask); plain causal -> SDPA (cuDNN);
-    - CPU -> SDPA (CPU kernels)."""
+    - CPU -> SDPA (CPU kernels).
+    `keep_slot` (flash-attn-4's keep across a recompute, `fa4.keep_slot_tensor`) is for calls that run fa4
+    (`runs_fa4`), the only kernel that keeps."""
     kw = dict(scale=scale, window=window, metadata=metadata, record_max_logits=record_max_logits)
     if metadata.auto_picks_fa4:
         if runs_fa4("auto", metadata, q_BSHD.dtype):
             from llm_training.layers.attention.fa4 import fa4_attention
 
-            return fa4_attention(q_BSHD, k_BSKD, v_BSKE, **kw)
+            return fa4_attention(q_BSHD, k_BSKD, v_BSKE, **kw, keep_slot=keep_slot)
         return sdpa_attention(q_BSHD, k_BSKD, v_BSKE, **kw)
     uses_flex = _auto_uses_flex(window, metadata.document_ids is not None, q_BSHD.device)
     kernel = flex_attention_kernel if uses_flex else sdpa_attention
     return kernel(q_BSHD, k_BSKD, v_BSKE, **kw)
 
 
-def fa4_attention_kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits):
-    """flash-attn-4 (layers/attention/fa4.py, imported on first call)."""
+def fa4_attention_kernel(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits, keep_slot=None):
+    """flash-attn-4 (layers/attention/fa4.py, imported on first call); `keep_slot` as in `auto_attention`."""
     from llm_training.layers.attention.fa4 import fa4_attention
 
     return fa4_attention(
-        q_BSHD, k_BSKD, v_BSKE, scale=scale, window=window, metadata=metadata, record_max_logits=record_max_logits
-    )
+        q_BSHD, k_BSKD, v_BSKE, scale=scale, window=window, metadata=metadata, record_max_logits=record_max_logits,
+        keep_slot=keep_slot,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

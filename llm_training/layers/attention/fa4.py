@@ -45,6 +45,14 @@ which breaks SDPA and varlen on torch 2.11 / 2.13: docs/dependencies.md).
   configs on the H200 and B200, trained with eager blocks (CPU, emulated kernel: 0 graphs compiled vs 2;
   tests/distributed/test_compile.py). Selective AC keeps fa4_fwd's outputs, as it keeps the other attention
   kernels' (`activation_checkpoint._SAVE_OPS`).
+- kept across a recompute: under "long_context" checkpointing (64K-256K tokens) a full-attention layer's forward
+  kernel is the quadratic part of its block, and the block's recompute in the backward would run it a second
+  time. Such a layer passes a keep slot (`keep_slot_tensor`; `[activation_checkpoint] keep_full_attention`): the
+  op's forward stores a copy of its (out, lse) under the slot, and when it runs again inside the backward (the
+  checkpoint's recompute) it hands that copy back instead of launching the kernel. A "selective" policy cannot do
+  this here, since long_context blocks compile in pieces under an eager checkpoint and a policy does not see into
+  compiled pieces (`distributed.compile.compile_in_pieces`). Costs n_h * d_v compute-dtype elements and n_h fp32
+  per token per full-attention layer from the forward to that layer's backward (the dry run counts them).
 
 Only bf16 / fp16 on CUDA; anything else raises with the alternative named. The package is imported lazily.
 """
@@ -190,12 +198,50 @@ def _fa4_window(window_T: Tensor) -> tuple[bool, Optional[int], Optional[int]]:
 # tensor (`masks.window_tensor`), read when the op runs: a compiled attention graph then serves full and sliding
 # layers alike, where an int argument would be a constant of the graph, one graph per window. (No `from __future__
 # import annotations` in this module: the op schemas are inferred from the annotations.)
+# The keep slots' stored forward results (module docstring, "kept across a recompute"): slot -> (out, lse), from
+# a layer's forward until the recompute of its block takes them back (the next forward of the layer replaces an
+# entry its backward never took, e.g. after a failed step).
+_KEPT: dict[int, tuple[Tensor, Tensor]] = {}
+NO_KEEP = -1
+
+
+def keep_slot_tensor(slot: Optional[int]) -> Tensor:
+    """The CPU int64 scalar a layer passes as its keep slot (None: nothing kept). A tensor, read when the op runs,
+    like the window (`masks.window_tensor`): an int would be a constant of the compiled graph, one graph per
+    layer."""
+    if slot is not None and slot < 0:
+        raise ValueError(f"a keep slot is a non-negative layer index, got {slot}")
+    return torch.tensor(NO_KEEP if slot is None else slot, dtype=torch.int64, device="cpu")
+
+
+def kept_slots() -> list[int]:
+    """The slots holding a forward result their recompute has not taken yet."""
+    return sorted(_KEPT)
+
+
+def _take_kept(slot: int, q: Tensor, v: Tensor) -> Optional[tuple[Tensor, Tensor]]:
+    """The stored (out, lse) of `slot` when it fits this call (same batch of tokens: out's shape, dtype, device),
+    removed from the store; None otherwise."""
+    kept = _KEPT.pop(slot, None)
+    if kept is None:
+        return None
+    out, _ = kept
+    fits = out.shape == (*q.shape[:-1], v.shape[-1]) and out.dtype == q.dtype and out.device == q.device
+    return kept if fits else None
+
+
 @torch.library.custom_op("llm_training::fa4_fwd", mutates_args=())
 def _fa4_fwd_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: Optional[int], scale: float,
-    window: Tensor, n_rep: int,
+    window: Tensor, n_rep: int, keep_slot: Tensor,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     _check_inputs(q, v)
+    slot = int(keep_slot)
+    in_backward = torch._C._current_graph_task_id() != -1  # i.e. the recompute of a checkpointed block
+    if slot != NO_KEEP and in_backward:
+        kept = _take_kept(slot, q, v)
+        if kept is not None:
+            return kept
     from flash_attn.cute.interface import _flash_attn_fwd
 
     causal, left, right = _fa4_window(window)
@@ -204,11 +250,16 @@ def _fa4_fwd_op(
         max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=causal, softcap=0.0,
         window_size_left=left, window_size_right=right, return_lse=True,
     )[:2]  # fmt: skip
-    return out.contiguous(), lse.contiguous()
+    out, lse = out.contiguous(), lse.contiguous()
+    if slot != NO_KEEP and not in_backward:
+        # a copy: the caller's graph owns `out` and may write a later intermediate into its buffer once `out` is
+        # dead there (inductor reuses buffers), which must not reach the kept result
+        _KEPT[slot] = (out.clone(), lse.clone())
+    return out, lse
 
 
 @_fa4_fwd_op.register_fake
-def _fa4_fwd_fake(q, k, v, cu_seqlens, max_seqlen, scale, window, n_rep):
+def _fa4_fwd_fake(q, k, v, cu_seqlens, max_seqlen, scale, window, n_rep, keep_slot):
     """out [..., Hq, Dv] in q's dtype; lse fp32 [B, Hq, S], or [Hq, T] for varlen (FA4's layouts)."""
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens is not None else (q.shape[0], q.shape[2], q.shape[1])
@@ -237,7 +288,7 @@ def _fa4_bwd_fake(dout, dlse, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, 
 
 
 def _fa4_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, scale, window, n_rep = inputs
+    q, k, v, cu_seqlens, max_seqlen, scale, window, n_rep, _ = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
     ctx.args = (max_seqlen, scale, window, n_rep)
@@ -249,18 +300,20 @@ def _fa4_backward(ctx, dout, dlse):
     dout = torch.zeros_like(out) if dout is None else dout.contiguous()
     dlse = None if dlse is None else dlse.contiguous()
     dq, dk, dv = _fa4_bwd_op(dout, dlse, q, k, v, out, lse, cu_seqlens, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _fa4_fwd_op.register_autograd(_fa4_backward, setup_context=_fa4_setup_context)
 
 
-def _flash_attn(q, k, v, *, scale, window, cu_seqlens=None, max_seqlen=None, n_rep=1):
+def _flash_attn(q, k, v, *, scale, window, cu_seqlens=None, max_seqlen=None, n_rep=1, keep_slot=None):
     """flash-attn-4's (out, lse) through `llm_training::fa4_fwd` (differentiable: `fa4_bwd`; module docstring,
     torch.compile). Before the custom ops, a torch.compiler.disable function broke each compiled block's graph here
     (9 breaks and 11 graphs for the compiled motif3_proxy_nomtp step on the H200, session 14); traced by dynamo
-    instead, flash_attn.cute's Python had broken it 49 times (session 9)."""
-    return _fa4_fwd_op(q, k, v, cu_seqlens, max_seqlen, float(scale), window_tensor(window), n_rep)
+    instead, flash_attn.cute's Python had broken it 49 times (session 9). `keep_slot`: None or its tensor form
+    (`keep_slot_tensor`)."""
+    keep = keep_slot if isinstance(keep_slot, Tensor) else keep_slot_tensor(keep_slot)
+    return _fa4_fwd_op(q, k, v, cu_seqlens, max_seqlen, float(scale), window_tensor(window), n_rep, keep)
 
 
 def fa4_attention_lse(
@@ -272,14 +325,16 @@ def fa4_attention_lse(
     window,
     metadata,
     gqa_layout: str = DEFAULT_GQA_LAYOUT,
+    keep_slot=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, S, Hq, Dv] in q's dtype, lse fp32 [B, Hq, S], natural log), both differentiable; the
     visibility of attention_backends (causal, window in either form of `masks.window_tensor`, metadata's documents
-    via its cu_seqlens)."""
+    via its cu_seqlens). `keep_slot` (an int, None or `keep_slot_tensor`'s form): the forward's result is kept
+    for the recompute of a checkpointed block (module docstring)."""
     B, S, Hq, _ = q_BSHD.shape
     k, v, d_v, n_rep = _layout_kv(k_BSKD, v_BSKE, Hq, gqa_layout)
     if metadata.document_ids is None:
-        out, lse = _flash_attn(q_BSHD, k, v, scale=scale, window=window, n_rep=n_rep)
+        out, lse = _flash_attn(q_BSHD, k, v, scale=scale, window=window, n_rep=n_rep, keep_slot=keep_slot)
     else:
         if metadata.cu_seqlens is None:
             raise RuntimeError(
@@ -295,6 +350,7 @@ def fa4_attention_lse(
             cu_seqlens=metadata.cu_seqlens,
             max_seqlen=metadata.max_seqlen,
             n_rep=n_rep,
+            keep_slot=keep_slot,
         )
         out = out.view(B, S, Hq, -1)
         lse = lse.view(Hq, B, S).transpose(0, 1)  # varlen lse is [Hq, total tokens]
@@ -303,9 +359,11 @@ def fa4_attention_lse(
     return out, lse
 
 
-def fa4_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits):
-    """The `fa4` backend kernel (attention_backends signature)."""
-    out, _ = fa4_attention_lse(q_BSHD, k_BSKD, v_BSKE, scale=scale, window=window, metadata=metadata)
+def fa4_attention(q_BSHD, k_BSKD, v_BSKE, *, scale, window, metadata, record_max_logits, keep_slot=None):
+    """The `fa4` backend kernel (attention_backends signature, + the keep slot of `fa4_attention_lse`)."""
+    out, _ = fa4_attention_lse(
+        q_BSHD, k_BSKD, v_BSKE, scale=scale, window=window, metadata=metadata, keep_slot=keep_slot
+    )
     max_logits = None
     if record_max_logits:
         from llm_training.layers.attention.masks import attention_max_logits

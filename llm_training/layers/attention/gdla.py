@@ -23,6 +23,7 @@ from llm_training.layers.attention.backends import (
     get_attention_backend,
     runs_fa4,
 )
+from llm_training.layers.attention.fa4 import keep_slot_tensor
 from llm_training.layers.attention.masks import window_tensor
 from llm_training.layers.norms import RMSNorm
 from llm_training.layers.projection import Fp32Projection
@@ -51,6 +52,9 @@ class GDLAttention(nn.Module):
         # the same window in the tensor form that flash-attn-4's ops read when they run (`masks.window_tensor`):
         # a plain attribute on the CPU (no buffer: it follows no .to() and is no checkpoint state)
         self.window_tensor = window_tensor(self.window)
+        # flash-attn-4's keep slot (`keep_output_across_recompute`), and the no-keep form that no-grad forwards pass
+        # (nothing recomputes them): CPU scalars like the window, so one compiled graph serves every layer
+        self.keep_slot = self.no_keep_slot = keep_slot_tensor(None)
         self.softmax_scale = softmax_scale
         self.rope = rope
         self.attention_backend = attention_backend
@@ -71,6 +75,12 @@ class GDLAttention(nn.Module):
         self.wkv_b = nn.Linear(self.kv_lora_rank, self.n_kv_heads * (self.d_nope + self.d_v), bias=False)
         self.lambda_proj = Fp32Projection(H, self.n_sig)
         self.wo = nn.Linear(self.n_sig * self.d_v, H, bias=False)
+
+    def keep_output_across_recompute(self, slot: int) -> None:
+        """Have flash-attn-4 keep this layer's forward result (out, lse) under `slot` (unique per layer) for the
+        recompute of its checkpointed block, which then skips the kernel (layers/attention/fa4.py, "kept across a
+        recompute"; set by "long_context" checkpointing on full-attention layers). Other kernels keep nothing."""
+        self.keep_slot = keep_slot_tensor(slot)
 
     def init_weights(self) -> None:
         for linear in (self.wq_a, self.wq_b, self.wkv_a, self.wkv_b, self.wo):
@@ -115,15 +125,17 @@ class GDLAttention(nn.Module):
         record = self.record_max_logits and not _in_backward()
         # flash-attn-4 reads the window's tensor form when it runs, so torch.compile does not specialise on it: one
         # compiled attention graph for full and sliding layers (the int would be a constant: a graph per window)
-        window = self.window_tensor if runs_fa4(self.attention_backend, metadata, q.dtype) else self.window
+        fa4 = runs_fa4(self.attention_backend, metadata, q.dtype)
+        keep = {"keep_slot": self.keep_slot if torch.is_grad_enabled() else self.no_keep_slot} if fa4 else {}
         out, max_logits = self.kernel(
             q,
             k,
             v.contiguous(),
             scale=self.softmax_scale,
-            window=window,
+            window=self.window_tensor if fa4 else self.window,
             metadata=metadata,
             record_max_logits=record,
+            **keep,
         )
         max_logits = max_logits.detach().float() if record else None
 

@@ -225,18 +225,21 @@ def test_fa4_custom_ops_pass_opcheck(emulated_fa4):
     v = torch.randn(2, 6, 2, 8, dtype=torch.float64, requires_grad=True)
     cu = torch.tensor([0, 4, 6, 12], dtype=torch.int32)
     full, window = window_tensor(None), window_tensor(3)  # the ops take the window's tensor form
+    no_keep, keep = fa4.keep_slot_tensor(None), fa4.keep_slot_tensor(7)  # and the keep slot's
     cases = [
-        (q, k, v, None, None, 0.3, full, 2),
-        (q, k, v, None, None, 0.3, window, 2),
-        (*(x.detach().reshape(12, x.shape[2], -1).requires_grad_() for x in (q, k, v)), cu, 6, 0.3, window, 2),
+        (q, k, v, None, None, 0.3, full, 2, no_keep),
+        (q, k, v, None, None, 0.3, full, 2, keep),
+        (q, k, v, None, None, 0.3, window, 2, no_keep),
+        (*(x.detach().reshape(12, x.shape[2], -1).requires_grad_() for x in (q, k, v)), cu, 6, 0.3, window, 2, keep),
     ]
     for args in cases:
         torch.library.opcheck(torch.ops.llm_training.fa4_fwd.default, args)
         out, lse = torch.ops.llm_training.fa4_fwd(*args)
         dout, dlse = torch.randn_like(out), torch.randn_like(lse)
         plain = [x.detach() for x in args[:3]]
-        bwd_args = (dout, dlse, *plain, out.detach(), lse.detach(), *args[3:])
+        bwd_args = (dout, dlse, *plain, out.detach(), lse.detach(), *args[3:-1])
         torch.library.opcheck(torch.ops.llm_training.fa4_bwd.default, bwd_args)
+    fa4._KEPT.clear()  # the keep cases' forwards stored results no recompute takes
 
 
 def test_fa4_layouts_give_the_emulated_kernel_a_differentiable_case(emulated_fa4):
