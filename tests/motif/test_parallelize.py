@@ -26,7 +26,7 @@ ARGS = get_flavor("motif3_debug").replace(num_hidden_layers=3, router_aux_loss_c
 def _config(ac_mode="none", compiled=False, cp_mode="ulysses", granularity="block"):
     ns = types.SimpleNamespace
     return ns(
-        activation_checkpoint=ns(mode=ac_mode),
+        activation_checkpoint=ns(mode=ac_mode, keep_full_attention=True),
         compile=ns(enable=compiled, components=["model"] if compiled else [], granularity=granularity),
         training=ns(mixed_precision_param="float32", mixed_precision_reduce="float32"),
         parallelism=ns(expert_parallel_dispatcher="all_to_all", context_parallel_mode=cp_mode),
