@@ -189,15 +189,6 @@ def _fa4_window(window_T: Tensor) -> tuple[bool, Optional[int], Optional[int]]:
     return (window is None, *_window_size(window))
 
 
-# flash-attn-4's forward and backward kernel functions (`flash_attn.cute.interface`, the ones its own autograd
-# Functions call) as the custom ops `llm_training::fa4_fwd` / `fa4_bwd`: torch.compile treats each as one opaque
-# node, so a compiled block keeps attention inside its graph (no graph break, no dynamo trace into flash_attn.cute's
-# Python), and the kernels run eagerly with the real tensors. K/V arrive with their KV heads; the ops repeat them
-# `n_rep` times for the kernel call only, and the backward sums dK/dV back over the copies (module docstring).
-# cu_seqlens given: the varlen kernels over flattened [T, H, D] tokens. The window arrives as a CPU int64 scalar
-# tensor (`masks.window_tensor`), read when the op runs: a compiled attention graph then serves full and sliding
-# layers alike, where an int argument would be a constant of the graph, one graph per window. (No `from __future__
-# import annotations` in this module: the op schemas are inferred from the annotations.)
 # The keep slots' stored forward results (module docstring, "kept across a recompute"): slot -> (out, lse), from
 # a layer's forward until the recompute of its block takes them back (the next forward of the layer replaces an
 # entry its backward never took, e.g. after a failed step).
@@ -230,6 +221,16 @@ def _take_kept(slot: int, q: Tensor, v: Tensor) -> Optional[tuple[Tensor, Tensor
     return kept if fits else None
 
 
+# flash-attn-4's forward and backward kernel functions (`flash_attn.cute.interface`, the ones its own autograd
+# Functions call) as the custom ops `llm_training::fa4_fwd` / `fa4_bwd`: torch.compile treats each as one opaque
+# node, so a compiled block keeps attention inside its graph (no graph break, no dynamo trace into flash_attn.cute's
+# Python), and the kernels run eagerly with the real tensors. K/V arrive with their KV heads; the ops repeat them
+# `n_rep` times for the kernel call only, and the backward sums dK/dV back over the copies (module docstring).
+# cu_seqlens given: the varlen kernels over flattened [T, H, D] tokens. The window arrives as a CPU int64 scalar
+# tensor (`masks.window_tensor`), read when the op runs: a compiled attention graph then serves full and sliding
+# layers alike, where an int argument would be a constant of the graph, one graph per window. (No `from __future__
+# import annotations` in this module: the op schemas are inferred from the annotations.) `keep_slot`, a CPU scalar
+# too: the keep across a recompute (`keep_slot_tensor`).
 @torch.library.custom_op("llm_training::fa4_fwd", mutates_args=())
 def _fa4_fwd_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: Optional[int], scale: float,
