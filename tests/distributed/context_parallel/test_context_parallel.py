@@ -297,3 +297,32 @@ def test_four_ranks_equal_the_full_sequence(free_port):
     # Ulysses at cp 4 needs 4 KV heads (WIDE); W = 16 = the zigzag chunk length at S = 128 (halo = one chunk)
     cases = _cases(WIDE, DEBUG.sliding_window) + [(DEBUG, "halo", 5, True), ("layers", "ulysses"), ("balance",)]
     mp.spawn(_worker, args=(4, free_port, cases), nprocs=4, join=True)
+
+
+def test_ulysses_hands_the_keep_slot_to_its_kernel_and_ring_keeps_nothing():
+    """flash-attn-4's keep slot (long_context keep_full_attention) reaches the kernel Ulysses wraps, which then
+    runs the full sequence for this rank's heads; ring attention takes the argument and keeps nothing (one process
+    playing rank 0 of 2 over the fake backend: shapes and arguments only)."""
+    from llm_training.dry_run import fake_process_group
+    from llm_training.layers.attention.fa4 import keep_slot_tensor
+
+    seen = []
+
+    def kernel(q, k, v, *, scale, window, metadata, record_max_logits, **options):
+        seen.append((q.shape, options))
+        return q.new_zeros(*q.shape[:-1], v.shape[-1]), None
+
+    slot = keep_slot_tensor(3)
+    q, k, v = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 4)
+    with fake_process_group(0, 2):
+        group = dist.group.WORLD
+        meta = AttentionMetadata(document_ids=None)
+        kw = dict(scale=1.0, window=None, metadata=meta, record_max_logits=False)
+        ulysses = ContextParallelAttention(kernel, "ulysses", SequenceLayout("contiguous", 2), group)
+        out, _ = ulysses(q, k, v, **kw, keep_slot=slot)
+        assert out.shape == (1, 8, 4, 4)
+        ulysses(q, k, v, **kw)
+        assert seen == [((1, 16, 2, 8), {"keep_slot": slot}), ((1, 16, 2, 8), {})]
+        ring = ContextParallelAttention(kernel, "ring", SequenceLayout("zigzag", 2), group)
+        ring(q, k, v, **kw, keep_slot=slot)  # accepted; ring attention runs its own block kernel
+        assert len(seen) == 2
