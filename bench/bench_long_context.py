@@ -11,7 +11,8 @@ the whole sequence's step: tokens/s of the N GPUs together, the largest peak ove
 estimate for one rank of that layout; rank 0 prints and writes the JSON.
 
 The plan (defaults): activation checkpointing `long_context` (full AC per block + the routed experts in
-checkpointed token chunks: distributed/activation_checkpoint.py), bf16 compute, fp32 reduce, the attention
+checkpointed token chunks: distributed/activation_checkpoint.py; the full-attention layers' flash-attn-4 output
+kept for the backward, `--no-keep-full-attention` recomputes it), bf16 compute, fp32 reduce, the attention
 backend `auto` (flash-attn-4 on SM90 / SM100 when installed). Each row: median step time and tokens/s over the
 timed steps, the peak allocated CUDA memory (torch.cuda.max_memory_allocated, reset before the first step) and
 the dry-run estimate for the same config (dry_run.measure_rank: parameters, gradients, optimizer state, FSDP

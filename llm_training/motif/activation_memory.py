@@ -223,9 +223,6 @@ def estimate_activation_memory(
         "MoE layer": (n_moe, trunk_block_terms(a, moe=True)),
         "MTP module": (a.num_nextn_predict_layers, mtp_block_terms(a)),
     }
-    if ac_mode == "long_context" and keep_full_attention:
-        n_full = sum(not is_sliding_layer(i, a) for i in range(a.num_hidden_layers))
-        kinds["kept full attention"] = (n_full, BlockTerms(kept_attention_terms(a), PerToken(), PerToken()))
     kept = {
         "none": lambda t: t.all,
         "full": lambda t: t.input,
@@ -241,8 +238,10 @@ def estimate_activation_memory(
         chunk = min(tokens, LONG_CONTEXT_MOE_CHUNK_TOKENS)
         return tokens * (t.all.bytes(nb) - t.input.bytes(nb) - t.routed.bytes(nb)) + chunk * t.routed.bytes(nb)
 
-    blocks_present = [t for name, (_, t) in present.items() if name != "kept full attention"]
-    recompute = 0 if ac_mode == "none" else max(recomputed(t) for t in blocks_present)
+    recompute = 0 if ac_mode == "none" else max(recomputed(t) for _, t in present.values())
+    n_full = sum(not is_sliding_layer(i, a) for i in range(a.num_hidden_layers))
+    if ac_mode == "long_context" and keep_full_attention and n_full > 0:  # beside the blocks' inputs
+        block_bytes["kept full attention"] = (n_full, tokens * kept_attention_terms(a).bytes(nb))
     return ActivationEstimate(
         tokens=tokens,
         ac_mode=ac_mode,

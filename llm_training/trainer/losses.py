@@ -40,7 +40,8 @@ IGNORE_INDEX = -100
 _DEFAULT_CHUNK_ELEMENTS = 1 << 29
 # Chunks are whole multiples of 128 tokens: the logits and hidden-gradient GEMMs tile rows by 128 (a part-empty
 # last tile is a full tile's work), and chunk offsets that are multiples of 4 tokens keep every chunk's slice of
-# the fp32 token weights 16-byte aligned, so the chunk kernel is built for one alignment, not two.
+# the fp32 token weights 16-byte aligned, which Triton specialises the chunk kernel on (2438-token chunks put
+# every other one 8 bytes off: the likely cause of the two builds every harness run listed, not yet re-measured).
 _CHUNK_TOKEN_MULTIPLE = 128
 
 
