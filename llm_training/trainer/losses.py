@@ -41,7 +41,7 @@ _DEFAULT_CHUNK_ELEMENTS = 1 << 29
 # Chunks are whole multiples of 128 tokens: the logits and hidden-gradient GEMMs tile rows by 128 (a part-empty
 # last tile is a full tile's work), and chunk offsets that are multiples of 4 tokens keep every chunk's slice of
 # the fp32 token weights 16-byte aligned, which Triton specialises the chunk kernel on (2438-token chunks put
-# every other one 8 bytes off: the likely cause of the two builds every harness run listed, not yet re-measured).
+# every other one 8 bytes off, and the kernel was built twice in every harness run; once since, on an H100).
 _CHUNK_TOKEN_MULTIPLE = 128
 
 

@@ -23,11 +23,10 @@ N_FULL = sum(not is_sliding_layer(i, ARGS) for i in range(ARGS.num_hidden_layers
 N_ATTENTION = ARGS.num_hidden_layers + ARGS.num_nextn_predict_layers
 
 
-@pytest.fixture
-def forward_kernel_calls(monkeypatch):
-    """The emulated flash-attn-4, with a count of its forward kernel's launches."""
-    install_emulated_fa4(monkeypatch)
-    interface = sys.modules["flash_attn.cute.interface"]
+def _count_forward_launches(monkeypatch, interface) -> list:
+    """Wrap flash-attn-4's forward kernel function in `interface` (its `flash_attn.cute.interface`, real or
+    emulated); returns the list each launch appends its left window to. The wrapper shares the function's
+    attributes: flash-attn-4 reads its compile cache from them."""
     calls = []
     inner = interface._flash_attn_fwd
 
@@ -37,7 +36,14 @@ def forward_kernel_calls(monkeypatch):
         return inner(*args, **kwargs)
 
     monkeypatch.setattr(interface, "_flash_attn_fwd", counted)
-    yield calls
+    return calls
+
+
+@pytest.fixture
+def forward_kernel_calls(monkeypatch):
+    """The emulated flash-attn-4, with a count of its forward kernel's launches."""
+    install_emulated_fa4(monkeypatch)
+    yield _count_forward_launches(monkeypatch, sys.modules["flash_attn.cute.interface"])
     fa4._KEPT.clear()
 
 
@@ -127,15 +133,7 @@ def test_long_context_keeps_full_attention_on_cuda(monkeypatch):
         pytest.skip(reason)
     import flash_attn.cute.interface as interface
 
-    calls = []
-    inner = interface._flash_attn_fwd
-
-    @functools.wraps(inner)  # shares the function's attributes: flash-attn-4 reads its compile cache from them
-    def counted(*args, **kwargs):
-        calls.append(kwargs["window_size_left"])
-        return inner(*args, **kwargs)
-
-    monkeypatch.setattr(interface, "_flash_attn_fwd", counted)
+    calls = _count_forward_launches(monkeypatch, interface)
     args = ARGS.replace(head_dim=96, qk_rope_head_dim=32, v_head_dim=64)  # head dims FA4's SM90 backward compiles
     torch.manual_seed(0)
     recompute = Motif3Model(args, attention_backend="fa4")
