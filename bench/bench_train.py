@@ -113,12 +113,14 @@ def build_trainer(
     compile_granularity: str = "auto",
     ep: int = 1,
     cp: int = 1,
+    prebuild_workers: int | None = None,
 ) -> Trainer:
     """Our real Trainer (build_model + parallelize + optimizers + loss) for `flavor` on random data, as a training
     run builds it: bf16 FSDP2 mixed precision on CUDA (a 1-rank process group, or torchrun's ranks), fp32 on CPU.
     `accum` micro-batches of `batch` x `seq_len` tokens per data rank make one optimizer step; `optimizer` None keeps
     the config's default (Muon); `quantize`: the [quantize] recipe (none = bf16); `mhc_backward`: [model]
-    mhc_backward; `compile_granularity`: [compile] granularity; `ep` / `cp`: the expert- / context-parallel degrees over torchrun's WORLD_SIZE ranks (FSDP2 over
+    mhc_backward; `compile_granularity`: [compile] granularity; `prebuild_workers`: [compile] prebuild_workers (None: the
+    default); `ep` / `cp`: the expert- / context-parallel degrees over torchrun's WORLD_SIZE ranks (FSDP2 over
     the data ranks, world / cp)."""
     on_cuda = device == "cuda"
     precision = "bfloat16" if on_cuda else "float32"
@@ -138,6 +140,8 @@ def build_trainer(
     ]  # fmt: skip
     if optimizer is not None:
         overrides.append(f"--optimizer.name={optimizer}")
+    if prebuild_workers is not None:
+        overrides.append(f"--compile.prebuild_workers={prebuild_workers}")
     cfg = ConfigManager().parse_args(overrides)
     dims = ParallelDims(1, -1, cp, ep, world)
     torch_device, _ = setup_distributed(cfg.training.device, dims)  # torchrun's group, or a 1-rank one (FSDP2)

@@ -106,6 +106,7 @@ class Case:
     granularity: str = "auto"  # our systems: [compile] granularity (auto = the default config)
     memory_snapshot: bool = False  # one more step after timing recorded by the CUDA allocator: what holds its peak
     sample_first_step: bool = False  # sample the first step's Python stacks: its seconds by compile phase and line
+    triton_prebuild: bool = True  # our systems: [compile] prebuild_workers as configured (False: 0, none)
 
     @property
     def name(self) -> str:
@@ -113,7 +114,8 @@ class Case:
         quant = f"+{self.recipe}" if self.recipe != "none" else ""
         mhc = f"+mhc_{self.mhc_backward}" if self.mhc_backward != "auto" else ""
         granularity = f"+{self.granularity}" if self.granularity != "auto" else ""
-        return f"{self.system}{opt}{quant}{mhc}{granularity}@{self.group}"
+        prebuild = "" if self.triton_prebuild else "+no_prebuild"
+        return f"{self.system}{opt}{quant}{mhc}{granularity}{prebuild}@{self.group}"
 
     @property
     def shape(self) -> Size:
@@ -146,24 +148,28 @@ def build_cases(
     recipes: tuple[str, ...] = (),
     mhc_backwards: tuple[str, ...] = (),
     granularities: tuple[str, ...] = (),
+    without_prebuild: bool = False,
 ) -> list[Case]:
     """The cases named by `selection`: comma-separated groups ("eager", "compiled", "accum", "all") and/or case
     names as printed (e.g. "ours@compiled", "ours_nomtp+adamw@accum", "torchtitan@eager"). Order: group, then
     ours, ours_nomtp (per optimizer), each again under every one of `recipes` (low-precision [quantize] recipes)
     and then in bf16 with every other [kernels] mhc_backward of `mhc_backwards` and every other [compile] granularity
-    of `granularities` (compiled groups), then torchtitan. The accum group runs half the timed steps (each is 4x
+    of `granularities` (compiled groups), and with `without_prebuild` once more without the Triton prebuild
+    (compiled groups), then torchtitan. The accum group runs half the timed steps (each is 4x
     longer)."""
     every = []
     for group in GROUPS:
         n_steps = max(1, steps // 2) if group == "accum" else steps
-        variants = [(r, "auto", "auto") for r in ("none", *(r for r in recipes if r != "none"))]
-        variants += [("none", m, "auto") for m in mhc_backwards if m != "auto"]
+        variants = [(r, "auto", "auto", True) for r in ("none", *(r for r in recipes if r != "none"))]
+        variants += [("none", m, "auto", True) for m in mhc_backwards if m != "auto"]
         if group != "eager":
-            variants += [("none", "auto", g) for g in granularities if g != "auto"]
-        for recipe, mhc, granularity in variants:
-            every.append(Case("ours", group, size, "muon", n_steps, warmup, profile_steps, recipe, mhc, granularity))
+            variants += [("none", "auto", g, True) for g in granularities if g != "auto"]
+            variants += [("none", "auto", "auto", False)] if without_prebuild else []
+        for recipe, mhc, granularity, prebuild in variants:
+            common = {"recipe": recipe, "mhc_backward": mhc, "granularity": granularity, "triton_prebuild": prebuild}
+            every.append(Case("ours", group, size, "muon", n_steps, warmup, profile_steps, **common))
             every += [
-                Case("ours_nomtp", group, size, opt, n_steps, warmup, profile_steps, recipe, mhc, granularity)
+                Case("ours_nomtp", group, size, opt, n_steps, warmup, profile_steps, **common)
                 for opt in nomtp_optimizers
             ]
         every.append(Case("torchtitan", group, size, "adamw", n_steps, warmup, profile_steps))
@@ -405,7 +411,8 @@ def run_worker(case: Case) -> dict:
         trainer = build_trainer(flavor, seq, case.batch, "none", case.compiled, tempfile.mkdtemp(prefix="bench_vs_tt_"),
                                 case.steps + case.warmup, case.accum, case.optimizer, device.type,
                                 quantize=case.recipe, mhc_backward=case.mhc_backward,
-                                compile_granularity=case.granularity)  # fmt: skip
+                                compile_granularity=case.granularity,
+                                prebuild_workers=None if case.triton_prebuild else 0)  # fmt: skip
         nparams = sum(p.numel() for p in trainer.model.parameters())
         flops = our_flops_per_token(flavor, seq)
 
@@ -442,6 +449,8 @@ def run_worker(case: Case) -> dict:
         **{k: v for k, v in timed.items() if k.endswith("_after_step")},
     }  # fmt: skip
     row.update(throughput(case.tokens_per_step, statistics.median(timed["times_s"]), flops, peak))
+    if case.system != "torchtitan" and trainer.triton_prebuild is not None:
+        row["triton_prebuild"] = trainer.triton_prebuild.summary()
     next_step = case.steps + case.warmup
     if case.memory_snapshot and device.type == "cuda":
         row["memory_peak"] = record_memory_peak(step, next_step, device)
@@ -556,7 +565,7 @@ def _run_worker_process(case: Case, timeout_s: float, result: Path, env: dict) -
 
 def _plain(row: dict) -> bool:
     """A row of ours in bf16 with the default mHC backward (the variants' reference)."""
-    defaults = {"recipe": "none", "mhc_backward": "auto", "granularity": "auto"}
+    defaults = {"recipe": "none", "mhc_backward": "auto", "granularity": "auto", "triton_prebuild": True}
     return all(row.get(k, v) == v for k, v in defaults.items())
 
 
@@ -656,6 +665,8 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
             if slowest:
                 builds = ", ".join(f"{e['s']:.1f} s {e['kernel'][:48]}" for e in slowest)
                 lines.append(f"{r['case']:<36}slowest JIT builds: {builds}")
+            if r.get("triton_prebuild"):
+                lines.append(f"{r['case']:<36}Triton prebuild: {r['triton_prebuild']}")
             rebuilt = format_rebuilt((r.get("first_step_jit") or {}).get("rebuilt", []))
             if rebuilt:
                 lines.append(f"{r['case']:<36}Triton kernels built more than once: {rebuilt}")
@@ -699,6 +710,9 @@ def main(argv=None) -> int:
     p.add_argument("--granularity", default="", help="comma-separated [compile] granularity values (block, sublayer): "
                    "our systems again with each in the compiled groups, against the default auto (e.g. "
                    "ours_nomtp+adamw+block@accum: first-step compile time, step time, memory)")  # fmt: skip
+    p.add_argument("--without-prebuild", action="store_true", help="our systems again in the compiled groups with "
+                   "[compile] prebuild_workers = 0 (e.g. ours_nomtp+adamw+no_prebuild@accum): our Triton kernels built "
+                   "in the training process, the first step's baseline")  # fmt: skip
     p.add_argument("--nomtp-optimizers", default="adamw", help="optimizers of the ours_nomtp rows: adamw, muon or both")
     p.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps per case (CUDA): "
                    "kernel time by cost group (bench/kernel_groups.py), printed and in the JSON")  # fmt: skip
@@ -729,7 +743,7 @@ def main(argv=None) -> int:
     mhc_backwards = tuple(m.strip() for m in a.mhc_backward.split(",") if m.strip())
     granularities = tuple(g.strip() for g in a.granularity.split(",") if g.strip())
     cases = build_cases(a.cases, a.size, a.steps, a.warmup, optimizers, a.profile_steps, recipes, mhc_backwards,
-                        granularities)  # fmt: skip
+                        granularities, a.without_prebuild)  # fmt: skip
     cases = [
         dataclasses.replace(c, memory_snapshot=a.memory_snapshot, sample_first_step=a.sample_first_step) for c in cases
     ]

@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .triton_prebuild import capture_launches
+
 
 def _kernels():
     from . import triton_kernels  # imports triton
@@ -29,6 +31,7 @@ def rms_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: flo
 
 @rms_norm_fwd.register_fake
 def _rms_norm_fwd_fake(x, residual, weight, eps):
+    capture_launches(lambda: _kernels().rms_norm_fwd(x, residual, weight, eps), x, what="rms_norm_fwd")
     n, d = x.shape
     h = x.new_empty((n, d)) if residual is not None else x.new_empty((0,))
     return x.new_empty((n, d)), h, x.new_empty((n,), dtype=torch.float32)
@@ -43,6 +46,7 @@ def rms_norm_bwd(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Tensor, rs
 
 @rms_norm_bwd.register_fake
 def _rms_norm_bwd_fake(dy, dh, h, weight, rstd):
+    capture_launches(lambda: _kernels().rms_norm_bwd(dy, dh, h, weight, rstd), h, what="rms_norm_bwd")
     return h.new_empty(h.shape), weight.new_empty(weight.shape)
 
 
@@ -81,6 +85,8 @@ def poly_norm_fwd(
 
 @poly_norm_fwd.register_fake
 def _poly_norm_fwd_fake(x, up, weight, bias, offs, eps, output_scale):
+    launch = lambda: _kernels().poly_norm_fwd(x, up, weight, bias, offs, eps, output_scale)
+    capture_launches(launch, x, what="poly_norm_fwd")
     n, d = x.shape
     return x.new_empty((n, d)), x.new_empty((n, 3), dtype=torch.float32)
 
@@ -103,6 +109,8 @@ def poly_norm_bwd(
 
 @poly_norm_bwd.register_fake
 def _poly_norm_bwd_fake(dy, x, up, weight, bias, offs, rstd, output_scale):
+    launch = lambda: _kernels().poly_norm_bwd(dy, x, up, weight, bias, offs, rstd, output_scale)
+    capture_launches(launch, x, what="poly_norm_bwd")
     n, d = x.shape
     dup = up.new_empty((n, d)) if up is not None else x.new_empty((0,))
     return x.new_empty((n, d)), dup, weight.new_empty(weight.shape), bias.new_empty(bias.shape)

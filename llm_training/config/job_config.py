@@ -393,6 +393,12 @@ class Compile:
         "first step 70.0 s vs 82.7, reserved 111.2 vs 117.0 GiB, step time 0.996x",
         choices=COMPILE_GRANULARITIES,
     )
+    prebuild_workers: int = option(
+        4,
+        "processes that build our Triton kernels (norms, mHC, the loss) from the shapes torch.compile traces, "
+        "before the compiled step first launches them, instead of the training process building them one after "
+        "another in its first step (activation/triton_prebuild.py; CUDA only); 0: none",
+    )
     cache_folder: str = option(
         "compile_cache",
         "the compiled-kernel caches (torch.compile's graphs and Triton kernels, our Triton kernels, flash-attn-4's, "

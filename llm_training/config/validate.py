@@ -267,6 +267,12 @@ def validate_config(c: "JobConfig") -> None:
         f"set granularity = 'auto' / 'block' or mode = 'none'",
     )
 
+    _require(
+        c.compile.prebuild_workers >= 0,
+        f"[compile] prebuild_workers must be >= 0 (0: our Triton kernels build in the training process), got "
+        f"{c.compile.prebuild_workers}",
+    )
+
     s = c.lr_scheduler
     _require(s.warmup_steps >= 0, f"[lr_scheduler] warmup_steps must be >= 0, got {s.warmup_steps}")
     _require(

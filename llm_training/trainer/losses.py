@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from activation.backend import TRITON_AVAILABLE
+from activation.triton_prebuild import active_prebuild, capture_launches
 
 IGNORE_INDEX = -100
 # Elements of one fp32 logits chunk (chunk_tokens x vocab): 2^29 = 2 GiB. Large chunks keep the number of
@@ -50,6 +51,23 @@ def default_chunk_tokens(vocab_size: int) -> int:
     at V = 220160). Vocabularies so large that not even 128 tokens fit take what fits (at least one token)."""
     fit = max(1, _DEFAULT_CHUNK_ELEMENTS // vocab_size)
     return fit - fit % _CHUNK_TOKEN_MULTIPLE if fit >= _CHUNK_TOKEN_MULTIPLE else fit
+
+
+def prebuild_chunk_kernel(vocab_size: int, compute_dtype: torch.dtype) -> None:
+    """Hand the CUDA CE chunk kernel's launch at the training shape (a default chunk of `vocab_size` logits, the
+    gradient in `compute_dtype`) to the active Triton prebuild (`activation.triton_prebuild`) as meta tensors: the
+    loss is not compiled, so no fake call announces its kernel. Every chunk launches under the same specialization
+    (chunks start at whole 128-token tiles). A no-op without triton or an active prebuild."""
+    if not TRITON_AVAILABLE or active_prebuild() is None:
+        return
+    from llm_training.trainer.cross_entropy_kernels import ce_chunk_and_grad
+
+    C = default_chunk_tokens(vocab_size)
+    logits_CV = torch.empty(C, vocab_size, dtype=torch.float32, device="meta")
+    labels_C = torch.empty(C, dtype=torch.long, device="meta")
+    weights_C = torch.empty(C, dtype=torch.float32, device="meta")
+    launch = lambda: ce_chunk_and_grad(logits_CV, labels_C, weights_C, compute_dtype, IGNORE_INDEX)
+    capture_launches(launch, logits_CV, what="loss CE chunk")
 
 
 @functools.cache

@@ -41,6 +41,7 @@ from llm_training.config import grad_accumulation_steps, to_toml
 from llm_training.distributed.compile import compile_progress, compile_report, compile_stats, compiled_since
 from llm_training.distributed.context_parallel import shard_batch
 from llm_training.distributed.utils import all_reduce_, clip_grad_norm_, rank, world_size
+from activation.triton_prebuild import start_triton_prebuild
 from llm_training.layers.attention.fa4_prebuild import start_fa4_prebuild
 from llm_training.model_spec import StepStat
 from llm_training.motif.spec import MOTIF3_SPEC
@@ -55,7 +56,7 @@ from llm_training.trainer.checkpoint import (
 )
 from llm_training.trainer.components import build_components
 from llm_training.trainer.hf_export import export_hf_snapshot, hf_export_due
-from llm_training.trainer.losses import count_labelled_tokens, forward_loss
+from llm_training.trainer.losses import count_labelled_tokens, forward_loss, prebuild_chunk_kernel
 from llm_training.trainer.metrics import MFU_CONVENTIONS, MetricsLogger, SourceTokenCounts, StepRecord
 from llm_training.trainer.profiling import StepProfiler
 from llm_training.trainer.resume import reapply_lr_schedule, warn_changed_config
@@ -229,6 +230,11 @@ class Trainer:
         self.tokenizer = build_tokenizer(c.model.tokenizer_path)
         self.dataloader = build_dataloader(c, self.tokenizer, self.dp_rank, self.dp_size)
 
+        # our Triton kernels, built in worker processes from the shapes torch.compile traces (None where nothing
+        # compiles on CUDA, or [compile] prebuild_workers = 0); started now, so its workers start with the build
+        self.triton_prebuild = None
+        if c.compile.enable and self.device.type == "cuda":
+            self.triton_prebuild = start_triton_prebuild(c.compile.prebuild_workers)
         self.kernel_prebuild = None
 
         def start_kernel_prebuild(model):
@@ -245,6 +251,8 @@ class Trainer:
         self.hooks = spec.build_step_hooks(self.model, self.model_args, c)
         self.num_mtp = spec.num_mtp_modules(self.model_args)
         self.compile_loss = c.compile.enable and "loss" in c.compile.components
+        if self.triton_prebuild is not None:  # the loss runs eagerly: its kernel is announced here
+            prebuild_chunk_kernel(self.model_args.vocab_size, getattr(torch, t.mixed_precision_param))
 
         self.run_folder = Path(c.run_folder)
         model_config = spec.state_dict_adapter.run_hf_config(
@@ -543,6 +551,11 @@ class Trainer:
                         f"out of memory at step {step}: {OOM_HINT}. Original error: {e}"
                     ) from e
                 rec.step_time_s = time.perf_counter() - t0
+                if self.triton_prebuild is not None:  # its work is the first step's; later compiles build in process
+                    if self.rank == 0:
+                        logger.info("Triton prebuild: %s", self.triton_prebuild.summary())
+                    self.triton_prebuild.close()
+                    self.triton_prebuild = None
                 if compiling:
                     compiled = compile_stats(_COMPILE_REASONS)
                     line, warning = compile_report(compiled, self.parallel.blocks_compiled_in_pieces)

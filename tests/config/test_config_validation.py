@@ -41,6 +41,13 @@ def test_sublayer_compile_needs_no_activation_checkpointing():
     assert "'full'" in msg
 
 
+def test_prebuild_workers_must_not_be_negative():
+    assert parse("--compile.prebuild_workers=0").compile.prebuild_workers == 0
+    with pytest.raises(ConfigError) as e:
+        parse("--compile.prebuild_workers=-1")
+    assert "[compile] prebuild_workers must be >= 0" in str(e.value) and "got -1" in str(e.value)
+
+
 def test_seq_len_beyond_flavor_context():
     with pytest.raises(ConfigError) as e:
         parse("--training.seq_len=512")  # motif3_debug has max_seq_len 256

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 from activation.backend import TRITON_AVAILABLE  # probed once, never in compiled code
+from activation.triton_prebuild import capture_launches
 from torch import Tensor
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -45,6 +46,7 @@ def mix_backward(
 
 @mix_backward.register_fake
 def _(g, x, h, p, y, x0, h0, p0, y0):
+    capture_launches(lambda: _kernels().mix_backward(g, x, h, p, y, (x0, h0, p0, y0)), g, what="mhc mix_backward")
     return (
         g.new_empty(_stream_shape(x, x0), dtype=_stream_dtype(x, x0)),
         h.new_empty(h.shape, dtype=torch.float32),
@@ -64,6 +66,8 @@ def collapse_backward(
 
 @collapse_backward.register_fake
 def _(gu, x, h, x0, h0, p0, y0):
+    launch = lambda: _kernels().collapse_backward(gu, x, h, (x0, h0, p0, y0))
+    capture_launches(launch, gu, what="mhc collapse_backward")
     return gu.new_empty(_stream_shape(x, x0), dtype=_stream_dtype(x, x0)), h.new_empty(h.shape, dtype=torch.float32)
 
 

@@ -11,6 +11,7 @@ __future__ import annotations` here: the op schemas are inferred from the annota
 
 import torch
 from activation.backend import TRITON_AVAILABLE as _HAS_TRITON  # probed once, never in compiled code
+from activation.triton_prebuild import capture_launches
 from torch import Tensor
 
 _EXP_CLAMP = 20.0
@@ -39,6 +40,7 @@ def _sinkhorn_op(logits_Tnn: Tensor, iters: int) -> Tensor:
 
 @_sinkhorn_op.register_fake
 def _sinkhorn_fake(logits_Tnn, iters):
+    capture_launches(lambda: _kernels().sinkhorn_fwd(logits_Tnn, iters), logits_Tnn, what="sinkhorn")
     return torch.empty_like(logits_Tnn)
 
 
@@ -49,6 +51,8 @@ def _sinkhorn_bwd_op(logits_Tnn: Tensor, grad_Tnn: Tensor, iters: int) -> Tensor
 
 @_sinkhorn_bwd_op.register_fake
 def _sinkhorn_bwd_fake(logits_Tnn, grad_Tnn, iters):
+    launch = lambda: _kernels().sinkhorn_bwd(logits_Tnn, grad_Tnn, iters)
+    capture_launches(launch, logits_Tnn, what="sinkhorn_bwd")
     return torch.empty_like(logits_Tnn)
 
 

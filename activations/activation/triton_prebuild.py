@@ -1,0 +1,260 @@
+"""Build Triton kernels in worker processes before their first launch, from the shapes torch.compile traces.
+
+Triton builds a kernel in the process that launches it, the first time it is launched under a new specialization
+(argument dtypes, 16-byte pointer alignment, integers equal to 1 or divisible by 16, constexprs, launch options):
+0.2-0.5 s per build on the GPU machines, one after another. Our kernels (RMSNorm / PolyNorm, mHC's Sinkhorn and
+stream backward, the loss's CE chunk) are custom ops that torch.compile treats as opaque, so their builds came on
+top of the compile, in the first step's main thread (about 5 s of motif3_proxy's first step on an H100).
+
+While torch.compile traces a graph, it calls each custom op's fake implementation with fake tensors of exactly the
+shapes, strides and dtypes of the real call, seconds before the compiled graph first runs. `capture_launches(launch)`
+(called from those fake implementations) runs the op's real launching code on the fake tensors with every Triton
+launch intercepted: no kernel runs; each new specialization, in Triton's own serialized form, goes to a worker
+process that builds it into Triton's on-disk cache. When the graph later launches the kernel, Triton loads it from
+the cache instead of building it; if a worker is still building it, the launch waits for that build (a hook on
+Triton's compile) rather than starting a second one. The loss, which is not compiled, submits its kernel from meta
+tensors of its chunk shape at start-up (same call).
+
+Best effort, never a change in what runs: a launch whose specialization the fake tensors cannot predict (a pointer
+that inductor's buffer planning places off 16 bytes: a fake tensor's storage offset is all that is known; a value
+read from a tensor) builds in process as before, and so does everything when no prebuild is active (CPU, eager,
+`[compile] prebuild_workers = 0`). Autotuned kernels are never captured (their tuning would time launches that do
+not run). A worker's failure is logged once and the kernel builds in process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# how long a launch waits for a worker still building its kernel before building it itself
+WAIT_FOR_WORKER_S = 120.0
+
+_ACTIVE: TritonPrebuild | None = None
+_CAPTURING = threading.local()  # .prebuild: the TritonPrebuild capturing in this thread, if any
+
+
+class TritonPrebuild:
+    """The worker pool and the kernels submitted to it; `start_triton_prebuild` makes one the process's active
+    prebuild (what `capture_launches` submits to), `close()` undoes that."""
+
+    def __init__(self, workers: int):
+        import triton
+        from triton import knobs
+
+        self._triton = triton
+        self._knobs = knobs
+        self.pool = ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_worker_init,
+            initargs=(knobs.cache.dir,),
+        )
+        self.futures: dict[tuple[str, str, str], Future] = {}  # (module, kernel, Triton's cache key) -> its build
+        self.skipped: list[str] = []  # launches that could not be captured, why (a line each)
+        self._lock = threading.Lock()
+        self._warned = False
+        self._previous_hook = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = self._compile_hook
+
+    # ------------------------------------------------------------------------------------------- capture
+    @contextlib.contextmanager
+    def _capturing(self) -> Iterator[None]:
+        from triton.runtime.jit import JITFunction
+
+        original_run = JITFunction.run
+
+        def run(kernel, *args, grid, warmup, **kwargs):
+            if getattr(_CAPTURING, "prebuild", None) is not self:  # another thread's real launch
+                return original_run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+            args = tuple(_as_spec_arg(a) for a in args)
+            kwargs = {k: _as_spec_arg(v) for k, v in kwargs.items()}
+            original_run(kernel, *args, grid=grid, warmup=True, **kwargs)  # `_compile_hook` takes the build
+            return None
+
+        with self._lock:
+            JITFunction.run = run
+            _CAPTURING.prebuild = self
+            try:
+                yield
+            finally:
+                _CAPTURING.prebuild = None
+                JITFunction.run = original_run
+
+    def capture(self, launch: Callable[[], object], what: str) -> None:
+        """Run `launch` (code that launches Triton kernels, on fake or meta tensors) with its launches submitted to
+        the workers instead of run; a launch it cannot trace (data read from a tensor) is skipped and logged."""
+        try:
+            with self._capturing():
+                launch()
+        except Exception as e:  # noqa: BLE001 - best effort: that kernel builds in process at its launch
+            self.skipped.append(f"{what}: {type(e).__name__}: {str(e)[:200]}")
+            logger.debug("Triton prebuild: %s not captured (%s)", what, e)
+
+    def _compile_hook(self, *, key, fn, compile, **kwargs) -> bool | None:
+        """Triton's `jit_cache_hook`, called before every in-process build. Capturing: submit the build and skip it
+        (True). Otherwise: wait for a worker still building the same kernel, then let Triton build, which loads
+        the worker's result from the cache."""
+        if getattr(_CAPTURING, "prebuild", None) is self:
+            self._submit(fn, str(key), compile["specialization_data"])
+            return True
+        future = self.futures.get((fn.module, fn.name, str(key)))
+        if future is not None and not future.done():
+            try:
+                future.result(timeout=WAIT_FOR_WORKER_S)
+            except Exception:  # noqa: BLE001, S110 - reported by the future's callback; Triton builds it here
+                pass
+        if self._previous_hook is not None:
+            return self._previous_hook(key=key, fn=fn, compile=compile, **kwargs)
+        return None
+
+    def _submit(self, fn, key: str, specialization_data: str) -> None:
+        ident = (fn.module, fn.name, key)
+        if ident in self.futures:
+            return
+        if _resolve(fn.module, fn.name) is not fn.jit_function:  # e.g. a kernel defined inside a function
+            self.skipped.append(f"{fn.module}.{fn.name}: not importable by name from its module")
+            return
+        target = self._triton.runtime.driver.active.get_current_target()
+        future = self.pool.submit(_build, fn.module, fn.name, specialization_data, target)
+        future.add_done_callback(self._report_failure)
+        self.futures[ident] = future
+
+    def _report_failure(self, future: Future) -> None:
+        error = future.exception()
+        if error is not None and not self._warned:
+            self._warned = True
+            logger.warning("Triton prebuild: a worker failed (%s); such kernels build in the training process", error)
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def wait(self, timeout: float | None = None) -> list[tuple[str, float]]:
+        """(kernel, build seconds in the worker) of every submitted build, once all have ended."""
+        out = []
+        for (_module, name, _key), future in list(self.futures.items()):
+            out.append((name, future.result(timeout=timeout)))
+        return out
+
+    def summary(self) -> str:
+        """One line: the builds handed to the workers (done / failed / still running) and what was not captured."""
+        done = [f for f in self.futures.values() if f.done()]
+        failed = sum(1 for f in done if f.exception() is not None)
+        line = (
+            f"{len(self.futures)} kernel builds handed to {self.pool._max_workers} workers "
+            f"({len(done) - failed} done, {failed} failed, {len(self.futures) - len(done)} still running)"
+        )
+        if self.skipped:
+            line += f"; not captured (built in process): {'; '.join(self.skipped[:4])}"
+            line += f" and {len(self.skipped) - 4} more" if len(self.skipped) > 4 else ""
+        return line
+
+    def close(self) -> None:
+        """Stop submitting (the process's prebuild is none), restore Triton's hook, let the workers finish."""
+        global _ACTIVE
+        if _ACTIVE is self:
+            _ACTIVE = None
+        if self._knobs.runtime.jit_cache_hook == self._compile_hook:
+            self._knobs.runtime.jit_cache_hook = self._previous_hook
+        self.pool.shutdown(wait=False, cancel_futures=False)
+
+
+def start_triton_prebuild(workers: int) -> TritonPrebuild | None:
+    """Make a prebuild with `workers` processes the process's active one (replacing any); None (and nothing
+    active) when `workers` is 0 or Triton does not import."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE.close()
+    if workers <= 0:
+        return None
+    try:
+        prebuild = TritonPrebuild(workers)
+    except ImportError:
+        return None
+    _ACTIVE = prebuild
+    return prebuild
+
+
+def active_prebuild() -> TritonPrebuild | None:
+    return _ACTIVE
+
+
+def capture_launches(launch: Callable[[], object], *tensors: torch.Tensor | None, what: str = "") -> None:
+    """Submit the Triton launches of `launch()` to the active prebuild, if there is one and `tensors` (the op's
+    inputs, fake or meta) are for a CUDA device; a no-op otherwise. Called from custom ops' fake implementations."""
+    prebuild = _ACTIVE
+    if prebuild is None or getattr(_CAPTURING, "prebuild", None) is not None:
+        return
+    first = next((t for t in tensors if t is not None), None)
+    if first is None or not (first.device.type == "cuda" or first.is_meta):
+        return
+    prebuild.capture(launch, what or getattr(launch, "__qualname__", "launch"))
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _as_spec_arg(arg):
+    """A tensor argument as what Triton's specialization reads of it: its dtype and a data pointer whose 16-byte
+    alignment is the tensor's storage offset's (fake and meta tensors have no data; their storage's base, like any
+    allocation of the caching allocator or inductor, is taken as aligned)."""
+    if not isinstance(arg, torch.Tensor):
+        return arg
+    from triton.runtime.jit import MockTensor
+
+    class _SpecTensor(MockTensor):
+        def __init__(self, dtype, offset_bytes):
+            super().__init__(dtype, list(arg.shape))
+            self._offset_bytes = offset_bytes
+
+        def data_ptr(self):
+            return self._offset_bytes
+
+    return _SpecTensor(arg.dtype, arg.storage_offset() * arg.element_size())
+
+
+def _resolve(module: str, qualname: str):
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _worker_init(cache_dir: str) -> None:
+    os.environ["TRITON_CACHE_DIR"] = cache_dir  # the training process's cache, wherever its caller pointed it
+
+
+def _build(module: str, qualname: str, specialization_data: str, target) -> float:
+    """In a worker: build one serialized specialization (Triton's `serialize_specialization_data`) of the kernel
+    `module.qualname` for `target` into the on-disk cache; returns the seconds it took. Mirrors
+    `JITFunction.preload`, without the GPU driver the worker does not need."""
+    import triton
+    import triton.language as tl
+    from triton.compiler import ASTSource
+
+    start = time.perf_counter()
+    fn = _resolve(module, qualname)
+    data = json.loads(specialization_data)
+    constexprs = {
+        tuple(k): tl.dtype(v)
+        if tl.dtype.is_dtype(v)
+        else tl.constexpr(v["constexpr"])
+        if isinstance(v, dict) and "constexpr" in v
+        else v
+        for k, v in zip(data["constant_keys"], data["constant_vals"])
+    }
+    attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])}
+    signature = {k: tuple(v) if isinstance(v, list) else v for k, v in data["signature"].items()}
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()}
+    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
+    return time.perf_counter() - start

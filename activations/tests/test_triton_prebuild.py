@@ -1,0 +1,204 @@
+"""`activation.triton_prebuild`: launches captured from fake / meta tensors are built by worker processes into
+Triton's on-disk cache under the exact key the real launch looks up.
+
+Without a GPU, Triton still builds for an SM90 target (its bundled ptxas); a stub driver stands in for the CUDA one
+in this process (current device, stream and target), which is all a launch's specialization needs. The check that a
+real launch loads what a worker built is Triton's own: its compile listener reports a cache hit. The CUDA test runs a
+real custom op under torch.compile and counts the builds in the training process.
+"""
+
+import importlib.util
+import threading
+import time
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+import torch
+from activation import triton_prebuild
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (it builds for an SM90 target without a GPU)")
+
+
+@pytest.fixture
+def prebuild(tmp_path, monkeypatch):
+    """An active prebuild with one worker, a fresh Triton cache, and the stub driver on a CPU machine; yields
+    (prebuild, cache hits / builds reported by Triton's compile listener in this process)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    previous_driver = driver._active
+    if not torch.cuda.is_available():
+        driver.set_active(
+            SimpleNamespace(
+                get_current_device=lambda: 0,
+                get_current_stream=lambda device=None: 0,
+                get_current_target=lambda: GPUTarget("cuda", 90, 32),
+            )
+        )
+    events = []
+    previous_listener = triton.knobs.compilation.listener
+    triton.knobs.compilation.listener = lambda *a, **k: events.append("hit" if k.get("cache_hit") else "build")
+    pb = triton_prebuild.start_triton_prebuild(1)
+    try:
+        yield pb, events
+    finally:
+        pb.close()
+        triton.knobs.compilation.listener = previous_listener
+        driver._active = previous_driver
+
+
+def _rms_launch_in_process(x, residual, w):
+    """Build (no launch) `_rms_fwd_kernel` in this process for the launch `rms_norm_fwd(x, residual, w)` makes."""
+    from activation import triton_kernels as K
+
+    d = x.shape[1]
+    spec = [triton_prebuild._as_spec_arg(t) for t in (x, residual, x, x, w, torch.empty(1, device="meta"))]
+    K._rms_fwd_kernel.run(
+        *spec, x.stride(0), residual.stride(0), d, x.stride(0), d, 1e-6,
+        grid=(x.shape[0],), warmup=True, HAS_RESIDUAL=True, BLOCK_D=triton_next_pow2(d), num_warps=8,
+    )  # fmt: skip
+
+
+def triton_next_pow2(n):
+    import triton
+
+    return triton.next_power_of_2(n)
+
+
+@needs_triton
+def test_a_captured_launch_is_built_by_a_worker_and_then_loaded_from_the_cache(prebuild):
+    from activation import triton_kernels as K
+
+    pb, events = prebuild
+    x = torch.empty(64, 4096, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(4096, dtype=torch.bfloat16, device="meta")
+    triton_prebuild.capture_launches(lambda: K.rms_norm_fwd(x, x, w, 1e-6), x, what="rms")
+    triton_prebuild.capture_launches(lambda: K.rms_norm_fwd(x, x, w, 1e-6), x, what="rms again")  # same key
+    assert len(pb.futures) == 1 and pb.skipped == []
+    [(name, seconds)] = pb.wait(timeout=300)
+    assert name == "_rms_fwd_kernel" and seconds > 0
+    assert events == []  # nothing was built in this process while capturing
+    _rms_launch_in_process(x, x, w)
+    assert events == ["hit"]
+    assert "1 kernel builds handed to 1 workers (1 done, 0 failed, 0 still running)" in pb.summary()
+
+
+@needs_triton
+def test_a_launch_the_capture_did_not_predict_builds_in_process(prebuild):
+    """A pointer off 16 bytes (a storage offset of one bf16 element) is another specialization: no cache hit."""
+    from activation import triton_kernels as K
+
+    pb, events = prebuild
+    x = torch.empty(64, 4096, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(4096, dtype=torch.bfloat16, device="meta")
+    triton_prebuild.capture_launches(lambda: K.rms_norm_fwd(x, x, w, 1e-6), x)
+    pb.wait(timeout=300)
+    shifted = torch.empty(64 * 4096 + 1, dtype=torch.bfloat16, device="meta")[1:].view(64, 4096)
+    _rms_launch_in_process(shifted, x, w)
+    assert events == ["build"]
+
+
+@needs_triton
+def test_custom_op_fake_calls_submit_forward_and_backward_kernels(prebuild, monkeypatch):
+    """What torch.compile does while tracing: the ops' fake implementations on fake CUDA tensors (the SM count the
+    backward's launch reads comes from the CUDA device; an H100's on a machine without one)."""
+    import activation.triton_ops  # noqa: F401 - registers torch.ops.activation.*
+    from activation import triton_kernels as K
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(K, "_num_sms", lambda device: 132)
+    pb, events = prebuild
+    with FakeTensorMode():
+        x = torch.empty(256, 1024, dtype=torch.bfloat16, device="cuda")
+        w = torch.empty(1024, dtype=torch.bfloat16, device="cuda")
+        y, h, rstd = torch.ops.activation.rms_norm_fwd(x, x, w, 1e-6)
+        torch.ops.activation.rms_norm_bwd(y, h, h, w, rstd)
+    names = {name for _module, name, _key in pb.futures}
+    assert names == {"_rms_fwd_kernel", "_rms_bwd_dx_kernel", "_rms_bwd_dw_kernel"}, names
+    assert pb.skipped == []
+    assert all(seconds > 0 for _name, seconds in pb.wait(timeout=300))
+    assert events == []
+
+
+def test_nothing_is_captured_without_an_active_prebuild_or_for_cpu_tensors(monkeypatch):
+    ran = []
+    monkeypatch.setattr(triton_prebuild, "_ACTIVE", None)
+    triton_prebuild.capture_launches(lambda: ran.append(1), torch.empty(1, device="meta"))
+    active = SimpleNamespace(capture=lambda launch, what: ran.append(what))
+    monkeypatch.setattr(triton_prebuild, "_ACTIVE", active)
+    triton_prebuild.capture_launches(lambda: ran.append(2), torch.empty(1))  # a CPU tensor: no CUDA launch to come
+    triton_prebuild.capture_launches(lambda: ran.append(3), None, None)
+    assert ran == []
+    triton_prebuild.capture_launches(lambda: ran.append(4), None, torch.empty(1, device="meta"), what="meta")
+    assert ran == ["meta"]
+
+
+@needs_triton
+def test_a_launch_that_reads_data_is_skipped_and_reported(prebuild):
+    pb, _events = prebuild
+
+    def reads_a_value():
+        raise RuntimeError("cannot read a fake tensor's value")
+
+    triton_prebuild.capture_launches(reads_a_value, torch.empty(1, device="meta"), what="grouped poly_norm_fwd")
+    assert pb.futures == {} and pb.skipped == ["grouped poly_norm_fwd: RuntimeError: cannot read a fake tensor's value"]
+    assert "not captured (built in process): grouped poly_norm_fwd" in pb.summary()
+
+
+@needs_triton
+def test_a_launch_waits_for_the_worker_building_its_kernel(prebuild):
+    """Triton's pre-build hook, outside a capture, blocks until a pending worker build of the same key ends (the
+    launch then loads it instead of building it a second time); other kernels pass straight through."""
+    pb, _events = prebuild
+    fn = SimpleNamespace(module="some.module", name="kernel")
+    pending: Future = Future()
+    pb.futures[(fn.module, fn.name, "key")] = pending
+    threading.Timer(0.3, pending.set_result, args=(0.1,)).start()
+    start = time.perf_counter()
+    assert pb._compile_hook(key="other key", fn=fn, compile={}) is None
+    assert time.perf_counter() - start < 0.2
+    assert pb._compile_hook(key="key", fn=fn, compile={}) is None
+    assert time.perf_counter() - start >= 0.25 and pending.done()
+
+
+@needs_triton
+def test_close_restores_the_hook_and_deactivates(tmp_path, monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    before = knobs.runtime.jit_cache_hook
+    pb = triton_prebuild.start_triton_prebuild(1)
+    assert triton_prebuild.active_prebuild() is pb and knobs.runtime.jit_cache_hook == pb._compile_hook
+    pb.close()
+    assert triton_prebuild.active_prebuild() is None and knobs.runtime.jit_cache_hook is before
+    assert triton_prebuild.start_triton_prebuild(0) is None and triton_prebuild.active_prebuild() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA + triton")
+def test_compiled_norm_launches_load_the_workers_kernels_on_cuda(prebuild):
+    """torch.compile traces a fused-add RMSNorm (its forward and backward ops' fake calls submit the kernels); the
+    compiled run's forward and backward then build none of them in this process: every build Triton reports here
+    is a cache hit of a worker's build, and the gradients equal the eager ones."""
+    import activation
+
+    pb, events = prebuild
+    torch._dynamo.reset()
+    x = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn_like(x)
+    w = torch.ones(2048, device="cuda", dtype=torch.bfloat16)
+
+    def f(x, r, w):
+        y, h = activation.fused_add_rms_norm(x, r, w, 1e-6)
+        return (y.float() * 2 + h.float()).sum()
+
+    (grad_compiled,) = torch.autograd.grad(torch.compile(f, backend="aot_eager")(x, r, w), x)
+    assert {"_rms_fwd_kernel", "_rms_bwd_dx_kernel"} <= {name for _m, name, _k in pb.futures}
+    assert len(events) >= 3 and set(events) == {"hit"}, events  # forward, dx and dw kernels, all loaded
+    (grad_eager,) = torch.autograd.grad(f(x, r, w), x)
+    assert torch.equal(grad_compiled, grad_eager)
