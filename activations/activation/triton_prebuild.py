@@ -64,6 +64,9 @@ class TritonPrebuild:
         )
         self.futures: dict[tuple[str, str, str], Future] = {}  # (module, kernel, Triton's cache key) -> its build
         self.skipped: list[str] = []  # launches that could not be captured, why (a line each)
+        self.captured: dict[tuple[str, str], str] = {}  # (module, kernel) -> the last specialization submitted
+        # launches of a submitted kernel under a specialization no capture predicted: what differed (a line each)
+        self.unpredicted: list[str] = []
         self._lock = threading.Lock()
         self._warned = False
         self._previous_hook = knobs.runtime.jit_cache_hook
@@ -111,6 +114,9 @@ class TritonPrebuild:
             self._submit(fn, str(key), compile["specialization_data"])
             return True
         future = self.futures.get((fn.module, fn.name, str(key)))
+        predicted = self.captured.get((fn.module, fn.name))
+        if future is None and predicted is not None:
+            self.unpredicted.append(f"{fn.name}: {_differences(predicted, compile['specialization_data'])}")
         if future is not None and not future.done():
             try:
                 future.result(timeout=WAIT_FOR_WORKER_S)
@@ -131,6 +137,7 @@ class TritonPrebuild:
         future = self.pool.submit(_build, fn.module, fn.name, specialization_data, target)
         future.add_done_callback(self._report_failure)
         self.futures[ident] = future
+        self.captured[(fn.module, fn.name)] = specialization_data
 
     def _report_failure(self, future: Future) -> None:
         error = future.exception()
@@ -154,9 +161,10 @@ class TritonPrebuild:
             f"{len(self.futures)} kernel builds handed to {self.pool._max_workers} workers "
             f"({len(done) - failed} done, {failed} failed, {len(self.futures) - len(done)} still running)"
         )
-        if self.skipped:
-            line += f"; not captured (built in process): {'; '.join(self.skipped[:4])}"
-            line += f" and {len(self.skipped) - 4} more" if len(self.skipped) > 4 else ""
+        for label, items in (("not captured", self.skipped), ("launched unpredicted", self.unpredicted)):
+            if items:
+                line += f"; {label} (built in process): {'; '.join(items[:4])}"
+                line += f" and {len(items) - 4} more" if len(items) > 4 else ""
         return line
 
     def close(self) -> None:
@@ -191,17 +199,25 @@ def active_prebuild() -> TritonPrebuild | None:
 
 def capture_launches(launch: Callable[[], object], *tensors: torch.Tensor | None, what: str = "") -> None:
     """Submit the Triton launches of `launch()` to the active prebuild, if there is one and `tensors` (the op's
-    inputs, fake or meta) are for a CUDA device; a no-op otherwise. Called from custom ops' fake implementations."""
+    inputs, fake or meta) are for a CUDA device; a no-op otherwise. Inputs with symbolic sizes (dynamic shapes) are not captured. Called from custom ops' fake
+    implementations."""
     prebuild = _ACTIVE
     if prebuild is None or getattr(_CAPTURING, "prebuild", None) is not None:
         return
-    first = next((t for t in tensors if t is not None), None)
-    if first is None or not (first.device.type == "cuda" or first.is_meta):
+    present = [t for t in tensors if t is not None]
+    if not present or not (present[0].device.type == "cuda" or present[0].is_meta):
+        return
+    if any(_symbolic(t) for t in present):  # dynamic shapes: running the launch code on symbols could add guards
+        prebuild.skipped.append(f"{what or 'launch'}: symbolic shapes")
         return
     prebuild.capture(launch, what or getattr(launch, "__qualname__", "launch"))
 
 
 # ----------------------------------------------------------------------------------------------- helpers
+def _symbolic(t: torch.Tensor) -> bool:
+    return any(isinstance(v, torch.SymInt) for v in (*t.shape, *t.stride(), t.storage_offset()))
+
+
 def _as_spec_arg(arg):
     """A tensor argument as what Triton's specialization reads of it: its dtype and a data pointer whose 16-byte
     alignment is the tensor's storage offset's (fake and meta tensors have no data; their storage's base, like any
@@ -228,6 +244,22 @@ def _resolve(module: str, qualname: str):
         if obj is None:
             return None
     return obj
+
+
+def _differences(predicted: str, launched: str) -> str:
+    """What a launch's serialized specialization has that the captured one of the same kernel has not (Triton's
+    `serialize_specialization_data` fields: argument types, constexprs, alignment attributes, options)."""
+    a, b = json.loads(predicted), json.loads(launched)
+    parts = []
+    for field in ("signature", "constant_vals", "attrs_keys", "attrs_vals", "options"):
+        x, y = a.get(field), b.get(field)
+        if isinstance(x, dict) and isinstance(y, dict):
+            diff = {k: (x.get(k), y.get(k)) for k in dict.fromkeys([*x, *y]) if x.get(k) != y.get(k)}
+            if diff:
+                parts.append(f"{field} {diff}")
+        elif x != y:
+            parts.append(f"{field} {x} -> {y}")
+    return ", ".join(parts) or "the same specialization under another key"
 
 
 def _worker_init(cache_dir: str) -> None:
