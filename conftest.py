@@ -9,9 +9,9 @@ import torch
 torch.set_num_threads(1)
 
 
-import socket  # noqa: E402
+import socket
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture
@@ -35,3 +35,39 @@ def _no_leaked_allocator_settings():
     yield
     for name in absent:
         os.environ.pop(name, None)
+
+
+@pytest.fixture
+def triton_prebuild_stub(tmp_path, monkeypatch):
+    """An active `activation.triton_prebuild` with one worker and a fresh Triton cache; on a machine without a GPU,
+    a stub Triton driver (current device, stream, and an SM90 target: all a launch's specialization needs; Triton
+    builds for SM90 with its bundled ptxas without a GPU). Yields (prebuild, "hit" / "build" for each compile that
+    Triton's compile listener reports in this process). Skips without triton."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    import triton
+    from activation import triton_prebuild
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    previous_driver = driver._active
+    if not torch.cuda.is_available():
+        driver.set_active(
+            SimpleNamespace(
+                get_current_device=lambda: 0,
+                get_current_stream=lambda device=None: 0,
+                get_current_target=lambda: GPUTarget("cuda", 90, 32),
+            )
+        )
+    events = []
+    previous_listener = triton.knobs.compilation.listener
+    triton.knobs.compilation.listener = lambda *a, **k: events.append("hit" if k.get("cache_hit") else "build")
+    pb = triton_prebuild.start_triton_prebuild(1)
+    try:
+        yield pb, events
+    finally:
+        pb.close()
+        triton.knobs.compilation.listener = previous_listener
+        driver._active = previous_driver

@@ -50,7 +50,7 @@ class TritonPrebuild:
     """The worker pool and the kernels submitted to it; `start_triton_prebuild` makes one the process's active
     prebuild (what `capture_launches` submits to), `close()` undoes that."""
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, preload: tuple[str, ...] = ()):
         import triton
         from triton import knobs
 
@@ -60,8 +60,11 @@ class TritonPrebuild:
             max_workers=workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_worker_init,
-            initargs=(knobs.cache.dir,),
+            initargs=(knobs.cache.dir, tuple(preload)),
         )
+        # the pool starts its processes at the first submit: now, so they start (and import Triton and `preload`,
+        # the modules of the kernels to come) while the model is built, not when the first kernel is submitted
+        self.started = [self.pool.submit(_ready, tuple(preload)) for _ in range(workers)]
         self.futures: dict[tuple[str, str, str], Future] = {}  # (module, kernel, Triton's cache key) -> its build
         self.skipped: list[str] = []  # launches that could not be captured, why (a line each)
         self.captured: dict[tuple[str, str], str] = {}  # (module, kernel) -> the last specialization submitted
@@ -177,16 +180,17 @@ class TritonPrebuild:
         self.pool.shutdown(wait=False, cancel_futures=False)
 
 
-def start_triton_prebuild(workers: int) -> TritonPrebuild | None:
-    """Make a prebuild with `workers` processes the process's active one (replacing any); None (and nothing
-    active) when `workers` is 0 or Triton does not import."""
+def start_triton_prebuild(workers: int, preload: tuple[str, ...] = ()) -> TritonPrebuild | None:
+    """Make a prebuild with `workers` processes, which import the modules `preload` as they start (those of the
+    kernels to come), the process's active one (replacing any); None (and nothing active) when `workers` is 0 or
+    Triton does not import."""
     global _ACTIVE
     if _ACTIVE is not None:
         _ACTIVE.close()
     if workers <= 0:
         return None
     try:
-        prebuild = TritonPrebuild(workers)
+        prebuild = TritonPrebuild(workers, preload)
     except ImportError:
         return None
     _ACTIVE = prebuild
@@ -262,8 +266,22 @@ def _differences(predicted: str, launched: str) -> str:
     return ", ".join(parts) or "the same specialization under another key"
 
 
-def _worker_init(cache_dir: str) -> None:
-    os.environ["TRITON_CACHE_DIR"] = cache_dir  # the training process's cache, wherever its caller pointed it
+def _worker_init(cache_dir: str, preload: tuple[str, ...]) -> None:
+    """A worker's start: the training process's Triton cache (wherever its caller pointed it), then Triton's compiler
+    and the kernel modules imported ahead of the first build (a module that fails to import is left to `_build`,
+    which reports the error)."""
+    os.environ["TRITON_CACHE_DIR"] = cache_dir
+    importlib.import_module("triton.compiler")
+    for module in preload:
+        with contextlib.suppress(Exception):
+            importlib.import_module(module)
+
+
+def _ready(preload: tuple[str, ...]) -> list[str]:
+    """A no-op job that starts the pool's processes; returns which of `preload` the worker has imported."""
+    import sys
+
+    return [m for m in preload if m in sys.modules]
 
 
 def _build(module: str, qualname: str, specialization_data: str, target) -> float:

@@ -2,7 +2,8 @@
 Triton's on-disk cache under the exact key the real launch looks up.
 
 Without a GPU, Triton still builds for an SM90 target (its bundled ptxas); a stub driver stands in for the CUDA one
-in this process (current device, stream and target), which is all a launch's specialization needs. The check that a
+in this process (current device, stream and target), which is all a launch's specialization needs (the
+`triton_prebuild_stub` fixture, conftest.py). The check that a
 real launch loads what a worker built is Triton's own: its compile listener reports a cache hit. The CUDA test runs a
 real custom op under torch.compile and counts the builds in the training process.
 """
@@ -20,36 +21,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (it builds for an SM90 target without a GPU)")
-
-
-@pytest.fixture
-def prebuild(tmp_path, monkeypatch):
-    """An active prebuild with one worker, a fresh Triton cache, and the stub driver on a CPU machine; yields
-    (prebuild, cache hits / builds reported by Triton's compile listener in this process)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    previous_driver = driver._active
-    if not torch.cuda.is_available():
-        driver.set_active(
-            SimpleNamespace(
-                get_current_device=lambda: 0,
-                get_current_stream=lambda device=None: 0,
-                get_current_target=lambda: GPUTarget("cuda", 90, 32),
-            )
-        )
-    events = []
-    previous_listener = triton.knobs.compilation.listener
-    triton.knobs.compilation.listener = lambda *a, **k: events.append("hit" if k.get("cache_hit") else "build")
-    pb = triton_prebuild.start_triton_prebuild(1)
-    try:
-        yield pb, events
-    finally:
-        pb.close()
-        triton.knobs.compilation.listener = previous_listener
-        driver._active = previous_driver
 
 
 def _rms_launch_in_process(x, residual, w):
@@ -71,10 +42,10 @@ def triton_next_pow2(n):
 
 
 @needs_triton
-def test_a_captured_launch_is_built_by_a_worker_and_then_loaded_from_the_cache(prebuild):
+def test_a_captured_launch_is_built_by_a_worker_and_then_loaded_from_the_cache(triton_prebuild_stub):
     from activation import triton_kernels as K
 
-    pb, events = prebuild
+    pb, events = triton_prebuild_stub
     x = torch.empty(64, 4096, dtype=torch.bfloat16, device="meta")
     w = torch.empty(4096, dtype=torch.bfloat16, device="meta")
     triton_prebuild.capture_launches(lambda: K.rms_norm_fwd(x, x, w, 1e-6), x, what="rms")
@@ -89,11 +60,11 @@ def test_a_captured_launch_is_built_by_a_worker_and_then_loaded_from_the_cache(p
 
 
 @needs_triton
-def test_a_launch_the_capture_did_not_predict_builds_in_process(prebuild):
+def test_a_launch_the_capture_did_not_predict_builds_in_process(triton_prebuild_stub):
     """A pointer off 16 bytes (a storage offset of one bf16 element) is another specialization: no cache hit."""
     from activation import triton_kernels as K
 
-    pb, events = prebuild
+    pb, events = triton_prebuild_stub
     # fp16: a specialization no other test holds in this process (a JITFunction keeps what it built in memory, and
     # such a launch is neither captured nor built again)
     x = torch.empty(64, 4096, dtype=torch.float16, device="meta")
@@ -108,7 +79,7 @@ def test_a_launch_the_capture_did_not_predict_builds_in_process(prebuild):
 
 
 @needs_triton
-def test_custom_op_fake_calls_submit_forward_and_backward_kernels(prebuild, monkeypatch):
+def test_custom_op_fake_calls_submit_forward_and_backward_kernels(triton_prebuild_stub, monkeypatch):
     """What torch.compile does while tracing: the ops' fake implementations on fake CUDA tensors (the SM count the
     backward's launch reads comes from the CUDA device; an H100's on a machine without one)."""
     import activation.triton_ops  # noqa: F401 - registers torch.ops.activation.*
@@ -116,7 +87,7 @@ def test_custom_op_fake_calls_submit_forward_and_backward_kernels(prebuild, monk
 
     if not torch.cuda.is_available():
         monkeypatch.setattr(K, "_num_sms", lambda device: 132)
-    pb, events = prebuild
+    pb, events = triton_prebuild_stub
     with FakeTensorMode():
         x = torch.empty(256, 1024, dtype=torch.bfloat16, device="cuda")
         w = torch.empty(1024, dtype=torch.bfloat16, device="cuda")
@@ -143,8 +114,8 @@ def test_nothing_is_captured_without_an_active_prebuild_or_for_cpu_tensors(monke
 
 
 @needs_triton
-def test_a_launch_that_reads_data_is_skipped_and_reported(prebuild):
-    pb, _events = prebuild
+def test_a_launch_that_reads_data_is_skipped_and_reported(triton_prebuild_stub):
+    pb, _events = triton_prebuild_stub
 
     def reads_a_value():
         raise RuntimeError("cannot read a fake tensor's value")
@@ -155,10 +126,10 @@ def test_a_launch_that_reads_data_is_skipped_and_reported(prebuild):
 
 
 @needs_triton
-def test_a_launch_waits_for_the_worker_building_its_kernel(prebuild):
+def test_a_launch_waits_for_the_worker_building_its_kernel(triton_prebuild_stub):
     """Triton's pre-build hook, outside a capture, blocks until a pending worker build of the same key ends (the
     launch then loads it instead of building it a second time); other kernels pass straight through."""
-    pb, _events = prebuild
+    pb, _events = triton_prebuild_stub
     fn = SimpleNamespace(module="some.module", name="kernel")
     pending: Future = Future()
     pb.futures[(fn.module, fn.name, "key")] = pending
@@ -168,6 +139,18 @@ def test_a_launch_waits_for_the_worker_building_its_kernel(prebuild):
     assert time.perf_counter() - start < 0.2
     assert pb._compile_hook(key="key", fn=fn, compile={}) is None
     assert time.perf_counter() - start >= 0.25 and pending.done()
+
+
+@needs_triton
+def test_workers_start_with_the_prebuild_and_import_the_kernel_modules(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    pb = triton_prebuild.start_triton_prebuild(2, preload=("activation.triton_kernels", "no.such.module"))
+    try:
+        assert len(pb.started) == 2  # submitted at start: the pool spawns its processes then
+        for started in pb.started:
+            assert started.result(timeout=120) == ["activation.triton_kernels"]
+    finally:
+        pb.close()
 
 
 @needs_triton
@@ -203,7 +186,7 @@ def test_symbolic_shapes_are_not_captured(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA + triton")
-def test_compiled_norm_launches_load_the_workers_kernels_on_cuda(prebuild):
+def test_compiled_norm_launches_load_the_workers_kernels_on_cuda(triton_prebuild_stub):
     """torch.compile (static shapes) traces a fused-add RMSNorm, whose forward and backward ops' fake calls submit
     their kernels; the compiled run's forward and backward then build none of them in this process: every compile
     of these kernels Triton reports here is a cache hit of a worker's build, and the gradients equal the eager ones.
@@ -212,7 +195,7 @@ def test_compiled_norm_launches_load_the_workers_kernels_on_cuda(prebuild):
     import activation
     import triton
 
-    pb, _events = prebuild
+    pb, _events = triton_prebuild_stub
     ours = []
     triton.knobs.compilation.listener = lambda *a, src=None, cache_hit=False, **k: ours.append(
         (getattr(getattr(src, "fn", None), "__name__", ""), "hit" if cache_hit else "build")

@@ -36,12 +36,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from activation.triton_prebuild import start_triton_prebuild
 
 from llm_training.config import grad_accumulation_steps, to_toml
 from llm_training.distributed.compile import compile_progress, compile_report, compile_stats, compiled_since
 from llm_training.distributed.context_parallel import shard_batch
 from llm_training.distributed.utils import all_reduce_, clip_grad_norm_, rank, world_size
-from activation.triton_prebuild import start_triton_prebuild
 from llm_training.layers.attention.fa4_prebuild import start_fa4_prebuild
 from llm_training.model_spec import StepStat
 from llm_training.motif.spec import MOTIF3_SPEC
@@ -195,6 +195,15 @@ def all_reduce_step(sums: torch.Tensor, stats: dict[str, StepStat]) -> tuple[tor
     return sums, reduced
 
 
+# the modules of our Triton kernels (norms, mHC, the loss), which the prebuild's workers import as they start
+TRITON_KERNEL_MODULES = (
+    "activation.triton_kernels",
+    "llm_training.layers.mhc.kernels",
+    "llm_training.layers.mhc.sinkhorn_kernels",
+    "llm_training.trainer.cross_entropy_kernels",
+)
+
+
 class Trainer:
     """Builds everything for `job_config` on this rank (the process group and mesh already set up, on `device`);
     `fit()` runs the loop."""
@@ -234,7 +243,7 @@ class Trainer:
         # compiles on CUDA, or [compile] prebuild_workers = 0); started now, so its workers start with the build
         self.triton_prebuild = None
         if c.compile.enable and self.device.type == "cuda":
-            self.triton_prebuild = start_triton_prebuild(c.compile.prebuild_workers)
+            self.triton_prebuild = start_triton_prebuild(c.compile.prebuild_workers, TRITON_KERNEL_MODULES)
         self.kernel_prebuild = None
 
         def start_kernel_prebuild(model):

@@ -11,6 +11,7 @@ from llm_training.trainer.losses import (
     linear_cross_entropy_segments,
     linear_cross_entropy_sum,
     micro_batch_loss,
+    prebuild_chunk_kernel,
     shift_labels,
 )
 
@@ -24,6 +25,28 @@ def test_default_chunk_is_whole_row_tiles_within_its_2_gib():
     assert default_chunk_tokens(3_000_000) == 128  # 178 fit
     assert default_chunk_tokens(5_000_000) == 107
     assert default_chunk_tokens(1 << 31) == 1
+
+
+def test_every_loss_chunk_launches_the_kernel_the_prebuild_builds(triton_prebuild_stub):
+    """`prebuild_chunk_kernel` hands the CE chunk kernel at Motif-3's vocabulary to the Triton prebuild; the launch of
+    a later chunk (labels and token weights sliced at 2 x 2432 tokens into the step's tensors) has the same
+    specialization, so it adds no build: the one the worker made serves every chunk."""
+    from activation.triton_prebuild import capture_launches
+
+    from llm_training.trainer.cross_entropy_kernels import ce_chunk_and_grad
+
+    pb, events = triton_prebuild_stub
+    V, C = 220160, default_chunk_tokens(220160)
+    prebuild_chunk_kernel(V, torch.bfloat16)
+    assert [name for _m, name, _k in pb.futures] == ["_ce_chunk_kernel"]
+    labels_T = torch.empty(5 * C, dtype=torch.long, device="meta")
+    weights_T = torch.empty(5 * C, dtype=torch.float32, device="meta")
+    logits_CV = torch.empty(C, V, dtype=torch.float32, device="meta")
+    chunk = slice(2 * C, 3 * C)
+    launch = lambda: ce_chunk_and_grad(logits_CV, labels_T[chunk], weights_T[chunk], torch.bfloat16, IGNORE_INDEX)
+    capture_launches(launch, logits_CV)
+    assert len(pb.futures) == 1 and pb.skipped == []
+    assert [seconds > 0 for _name, seconds in pb.wait(timeout=300)] == [True] and events == []
 
 
 def _reference_ce_sum(hidden, weight, labels):
@@ -116,7 +139,7 @@ def test_chunked_ce_all_ignored_chunk_and_no_grad():
 
 def test_chunked_ce_under_no_grad_skips_the_gradients(monkeypatch):
     """Evaluation (no_grad, parameters that require grad): the same losses, and no gradient is precomputed."""
-    import llm_training.trainer.losses as losses
+    from llm_training.trainer import losses
 
     hidden, weight, labels = _inputs()
     weight.requires_grad_(True)
