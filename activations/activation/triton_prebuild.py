@@ -56,6 +56,9 @@ class TritonPrebuild:
 
         self._triton = triton
         self._knobs = knobs
+        # the workers build into this process's Triton cache; pinned where nothing chose it yet, since inductor
+        # otherwise points TRITON_CACHE_DIR at its own folder when it first compiles, after the workers started
+        os.environ.setdefault("TRITON_CACHE_DIR", knobs.cache.dir)
         self.pool = ProcessPoolExecutor(
             max_workers=workers,
             mp_context=multiprocessing.get_context("spawn"),

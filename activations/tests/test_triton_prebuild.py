@@ -9,6 +9,7 @@ real custom op under torch.compile and counts the builds in the training process
 """
 
 import importlib.util
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -151,6 +152,20 @@ def test_workers_start_with_the_prebuild_and_import_the_kernel_modules(tmp_path,
             assert started.result(timeout=120) == ["activation.triton_kernels"]
     finally:
         pb.close()
+
+
+@needs_triton
+def test_the_cache_folder_is_pinned_where_nothing_chose_one(tmp_path, monkeypatch):
+    """Inductor sets TRITON_CACHE_DIR to a folder of its own when it is unset at its first compile: the prebuild pins
+    Triton's choice first, so the training process later reads the folder its workers wrote."""
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path))
+    pb = triton_prebuild.start_triton_prebuild(1)
+    try:
+        assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / ".triton" / "cache")
+    finally:
+        pb.close()
+        os.environ.pop("TRITON_CACHE_DIR", None)
 
 
 @needs_triton
