@@ -56,6 +56,7 @@ class TritonPrebuild:
 
         self._triton = triton
         self._knobs = knobs
+        self.workers = workers
         # the workers build into this process's Triton cache; pinned where nothing chose it yet, since inductor
         # otherwise points TRITON_CACHE_DIR at its own folder when it first compiles, after the workers started
         os.environ.setdefault("TRITON_CACHE_DIR", knobs.cache.dir)
@@ -164,7 +165,7 @@ class TritonPrebuild:
         done = [f for f in self.futures.values() if f.done()]
         failed = sum(1 for f in done if f.exception() is not None)
         line = (
-            f"{len(self.futures)} kernel builds handed to {self.pool._max_workers} workers "
+            f"{len(self.futures)} kernel builds handed to {self.workers} workers "
             f"({len(done) - failed} done, {failed} failed, {len(self.futures) - len(done)} still running)"
         )
         for label, items in (("not captured", self.skipped), ("launched unpredicted", self.unpredicted)):
