@@ -10,10 +10,11 @@ While torch.compile traces a graph, it calls each custom op's fake implementatio
 shapes, strides and dtypes of the real call, seconds before the compiled graph first runs. `capture_launches(launch)`
 (called from those fake implementations) runs the op's real launching code on the fake tensors with every Triton
 launch intercepted: no kernel runs; each new specialization, in Triton's own serialized form, goes to a worker
-process that builds it into Triton's on-disk cache. When the graph later launches the kernel, Triton loads it from
-the cache instead of building it; if a worker is still building it, the launch waits for that build (a hook on
-Triton's compile) rather than starting a second one. The loss, which is not compiled, submits its kernel from meta
-tensors of its chunk shape at start-up (same call).
+process that builds it into Triton's on-disk cache, under the key this process will look up (each build carries
+this process's Triton environment and ptxas version: `_process_build_state`). When the graph later launches the
+kernel, Triton loads it from the cache instead of building it; if a worker is still building it, the launch waits
+for that build (a hook on Triton's compile) rather than starting a second one. The loss, which is not compiled,
+submits its kernel from meta tensors of its chunk shape at start-up (same call).
 
 Best effort, never a change in what runs: a launch whose specialization the fake tensors cannot predict (a pointer
 that inductor's buffer planning places off 16 bytes: a fake tensor's storage offset is all that is known; a value
@@ -141,7 +142,8 @@ class TritonPrebuild:
             self.skipped.append(f"{fn.module}.{fn.name}: not importable by name from its module")
             return
         target = self._triton.runtime.driver.active.get_current_target()
-        future = self.pool.submit(_build, fn.module, fn.name, specialization_data, target)
+        keyed_by = _process_build_state(fn.jit_function, specialization_data, target)
+        future = self.pool.submit(_build, fn.module, fn.name, specialization_data, target, keyed_by)
         future.add_done_callback(self._report_failure)
         self.futures[ident] = future
         self.captured[(fn.module, fn.name)] = specialization_data
@@ -207,8 +209,8 @@ def active_prebuild() -> TritonPrebuild | None:
 
 def capture_launches(launch: Callable[[], object], *tensors: torch.Tensor | None, what: str = "") -> None:
     """Submit the Triton launches of `launch()` to the active prebuild, if there is one and `tensors` (the op's
-    inputs, fake or meta) are for a CUDA device; a no-op otherwise. Inputs with symbolic sizes (dynamic shapes) are not captured. Called from custom ops' fake
-    implementations."""
+    inputs, fake or meta) are for a CUDA device; a no-op otherwise. Inputs with symbolic sizes (dynamic shapes) are
+    not captured. Called from custom ops' fake implementations."""
     prebuild = _ACTIVE
     if prebuild is None or getattr(_CAPTURING, "prebuild", None) is not None:
         return
@@ -288,17 +290,30 @@ def _ready(preload: tuple[str, ...]) -> list[str]:
     return [m for m in preload if m in sys.modules]
 
 
-def _build(module: str, qualname: str, specialization_data: str, target) -> float:
-    """In a worker: build one serialized specialization (Triton's `serialize_specialization_data`) of the kernel
-    `module.qualname` for `target` into the on-disk cache; returns the seconds it took. Mirrors
-    `JITFunction.preload`, without the GPU driver the worker does not need."""
-    import triton
+def _process_build_state(jit_function, specialization_data: str, target) -> dict:
+    """What, besides the specialization, keys this process's build of it in Triton's cache, for a worker to build
+    under the same key: the environment variables Triton hashes, and on NVIDIA the ptxas version it hashes (read
+    once per process and cached, while torch's inductor points TRITON_PTXAS_PATH at torch's own ptxas at its first
+    compile: a worker started after that reads another version) and the ptxas this process would run. Reading the
+    version here also fixes it for this process's later launch. `cache_key`: the key this process looks up."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+
+    state = {"env_vars": dict(get_cache_invalidating_env_vars()), "ptxas": None}
+    if target.backend == "cuda":
+        from triton.backends.nvidia.compiler import get_ptxas, get_ptxas_version
+
+        variable = "TRITON_PTXAS_BLACKWELL_PATH" if target.arch >= 100 else "TRITON_PTXAS_PATH"
+        state["ptxas"] = (variable, get_ptxas(target.arch).path, get_ptxas_version(target.arch))
+    source, options = _source(jit_function, json.loads(specialization_data))
+    state["cache_key"] = _cache_key(source, options, target, state["env_vars"])
+    return state
+
+
+def _source(jit_function, data: dict):
+    """Triton's source and launch options of a serialized specialization (as `JITFunction.preload` reads it)."""
     import triton.language as tl
     from triton.compiler import ASTSource
 
-    start = time.perf_counter()
-    fn = _resolve(module, qualname)
-    data = json.loads(specialization_data)
     constexprs = {
         tuple(k): tl.dtype(v)
         if tl.dtype.is_dtype(v)
@@ -310,5 +325,43 @@ def _build(module: str, qualname: str, specialization_data: str, target) -> floa
     attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])}
     signature = {k: tuple(v) if isinstance(v, list) else v for k, v in data["signature"].items()}
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()}
-    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
+    return ASTSource(jit_function, signature, constexprs, attrs), options
+
+
+def _cache_key(source, options: dict, target, env_vars: dict) -> str:
+    """The cache key `triton.compile` derives for `source` (its hash of source, backend, options, environment)."""
+    import hashlib
+
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.cache import get_cache_key
+
+    backend = make_backend(target)
+    parsed = backend.parse_options(dict(options, **source.parse_options()))
+    return hashlib.sha256(get_cache_key(source, backend, parsed, env_vars).encode("utf-8")).hexdigest()
+
+
+def _build(module: str, qualname: str, specialization_data: str, target, keyed_by: dict) -> float:
+    """In a worker: build one serialized specialization (Triton's `serialize_specialization_data`) of the kernel
+    `module.qualname` for `target` into the on-disk cache, under the key the training process looks up (`keyed_by`:
+    `_process_build_state`); returns the seconds it took. Mirrors `JITFunction.preload`, without the GPU driver the
+    worker does not need. Raises, naming both keys, where this worker would key it otherwise."""
+    import triton
+
+    start = time.perf_counter()
+    if keyed_by["ptxas"] is not None:  # the training process's ptxas, and the version its Triton hashes
+        from triton import knobs
+        from triton.backends.nvidia.compiler import get_ptxas_version
+
+        variable, path, version = keyed_by["ptxas"]
+        os.environ[variable] = path
+        knobs.nvidia.mock_ptx_version = version
+        get_ptxas_version.cache_clear()
+    source, options = _source(_resolve(module, qualname), json.loads(specialization_data))
+    key = _cache_key(source, options, target, keyed_by["env_vars"])
+    if key != keyed_by["cache_key"]:
+        raise RuntimeError(
+            f"{qualname}: a worker keys this build {key[:16]}, the training process {keyed_by['cache_key'][:16]} "
+            "(a Triton setting differs between them); it builds in the training process"
+        )
+    triton.compile(source, target=target, options=options, _env_vars=keyed_by["env_vars"])
     return time.perf_counter() - start

@@ -29,17 +29,12 @@ def _rms_launch_in_process(x, residual, w):
     from activation import triton_kernels as K
 
     d = x.shape[1]
+    block_d, num_warps = K._launch_config(d)
     spec = [triton_prebuild._as_spec_arg(t) for t in (x, residual, x, x, w, torch.empty(1, device="meta"))]
     K._rms_fwd_kernel.run(
         *spec, x.stride(0), residual.stride(0), d, x.stride(0), d, 1e-6,
-        grid=(x.shape[0],), warmup=True, HAS_RESIDUAL=True, BLOCK_D=triton_next_pow2(d), num_warps=8,
+        grid=(x.shape[0],), warmup=True, HAS_RESIDUAL=True, BLOCK_D=block_d, num_warps=num_warps,
     )  # fmt: skip
-
-
-def triton_next_pow2(n):
-    import triton
-
-    return triton.next_power_of_2(n)
 
 
 @needs_triton
@@ -58,6 +53,53 @@ def test_a_captured_launch_is_built_by_a_worker_and_then_loaded_from_the_cache(t
     _rms_launch_in_process(x, x, w)
     assert events == ["hit"]
     assert "1 kernel builds handed to 1 workers (1 done, 0 failed, 0 still running)" in pb.summary()
+
+
+@needs_triton
+def test_a_worker_keys_its_build_with_the_ptxas_version_this_process_hashes(triton_prebuild_stub, monkeypatch):
+    """Triton hashes the ptxas version it read first in a process (and caches it), while torch's inductor points
+    TRITON_PTXAS_PATH at torch's own ptxas when it first compiles: a worker that read another version built under
+    a key this process never looked up (the GPU suite's failure, session 25). Here this process's version changes
+    after the worker started; the worker still builds under this process's key."""
+    from activation import triton_kernels as K
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    pb, events = triton_prebuild_stub
+    assert pb.started[0].result(timeout=120) is not None  # the worker runs, with the environment of before
+    monkeypatch.setenv("TRITON_MOCK_PTX_VERSION", "the ptxas version as this process first read it")
+    get_ptxas_version.cache_clear()
+    try:
+        # fp32: a specialization no other test holds in this process
+        x = torch.empty(64, 1024, dtype=torch.float32, device="meta")
+        w = torch.empty(1024, dtype=torch.float32, device="meta")
+        triton_prebuild.capture_launches(lambda: K.rms_norm_fwd(x, x, w, 1e-6), x)
+        pb.wait(timeout=300)
+        _rms_launch_in_process(x, x, w)
+        assert events == ["hit"], pb.summary()
+    finally:
+        get_ptxas_version.cache_clear()
+
+
+@needs_triton
+def test_a_worker_that_would_key_a_build_otherwise_fails_it_and_says_both_keys(triton_prebuild_stub, monkeypatch):
+    """The worker checks its own key against the one this process looks up before it builds (a build nothing
+    would load is a silent miss): the build fails, naming both keys, and the kernel builds in process."""
+    from activation import triton_kernels as K
+
+    pb, _events = triton_prebuild_stub
+    real = triton_prebuild._process_build_state
+
+    def state_of_a_process_with_other_settings(*args):
+        return {**real(*args), "cache_key": "0" * 64}
+
+    monkeypatch.setattr(triton_prebuild, "_process_build_state", state_of_a_process_with_other_settings)
+    x = torch.empty(32, 512, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(512, dtype=torch.bfloat16, device="meta")
+    triton_prebuild.capture_launches(lambda: K.rms_norm_fwd(x, x, w, 1e-6), x)
+    [future] = pb.futures.values()
+    with pytest.raises(RuntimeError, match="a worker keys this build [0-9a-f]{16}, the training process 0{16}"):
+        future.result(timeout=300)
+    assert "(0 done, 1 failed, 0 still running)" in pb.summary()
 
 
 @needs_triton
