@@ -450,7 +450,7 @@ def run_worker(case: Case) -> dict:
     }  # fmt: skip
     row.update(throughput(case.tokens_per_step, statistics.median(timed["times_s"]), flops, peak))
     if case.system != "torchtitan" and trainer.triton_prebuild is not None:
-        row["triton_prebuild"] = trainer.triton_prebuild.summary()
+        row["triton_prebuild_summary"] = trainer.triton_prebuild.summary()
     next_step = case.steps + case.warmup
     if case.memory_snapshot and device.type == "cuda":
         row["memory_peak"] = record_memory_peak(step, next_step, device)
@@ -665,8 +665,8 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
             if slowest:
                 builds = ", ".join(f"{e['s']:.1f} s {e['kernel'][:48]}" for e in slowest)
                 lines.append(f"{r['case']:<36}slowest JIT builds: {builds}")
-            if r.get("triton_prebuild"):
-                lines.append(f"{r['case']:<36}Triton prebuild: {r['triton_prebuild']}")
+            if r.get("triton_prebuild_summary"):
+                lines.append(f"{r['case']:<36}Triton prebuild: {r['triton_prebuild_summary']}")
             rebuilt = format_rebuilt((r.get("first_step_jit") or {}).get("rebuilt", []))
             if rebuilt:
                 lines.append(f"{r['case']:<36}Triton kernels built more than once: {rebuilt}")

@@ -2,19 +2,21 @@
 
 Triton builds a kernel in the process that launches it, the first time it is launched under a new specialization
 (argument dtypes, 16-byte pointer alignment, integers equal to 1 or divisible by 16, constexprs, launch options):
-0.2-0.5 s per build on the GPU machines, one after another. Our kernels (RMSNorm / PolyNorm, mHC's Sinkhorn and
-stream backward, the loss's CE chunk) are custom ops that torch.compile treats as opaque, so their builds came on
-top of the compile, in the first step's main thread (about 5 s of motif3_proxy's first step on an H100).
+0.2-0.5 s per build on the GPU machines, one after another, and a launcher (a C module per set of argument types,
+about 0.2 s of gcc) at the first launch. Our kernels (RMSNorm / PolyNorm, mHC's Sinkhorn and stream backward, the
+loss's CE chunk) are custom ops that torch.compile treats as opaque, so their builds came on top of the compile, in
+the first step's main thread (about 5 s of motif3_proxy's first step on an H100).
 
 While torch.compile traces a graph, it calls each custom op's fake implementation with fake tensors of exactly the
-shapes, strides and dtypes of the real call, seconds before the compiled graph first runs. `capture_launches(launch)`
-(called from those fake implementations) runs the op's real launching code on the fake tensors with every Triton
-launch intercepted: no kernel runs; each new specialization, in Triton's own serialized form, goes to a worker
-process that builds it into Triton's on-disk cache, under the key this process will look up (each build carries
-this process's Triton environment and ptxas version: `_process_build_state`). When the graph later launches the
-kernel, Triton loads it from the cache instead of building it; if a worker is still building it, the launch waits
-for that build (a hook on Triton's compile) rather than starting a second one. The loss, which is not compiled,
-submits its kernel from meta tensors of its chunk shape at start-up (same call).
+shapes, strides and dtypes of the real call, seconds before the compiled graph first runs.
+`capture_launches(launch)` (called from those fake implementations) runs the op's real launching code on the fake
+tensors with every Triton launch intercepted: no kernel runs; each new specialization, in Triton's own serialized
+form, goes to a worker process that builds it (and its launcher) into Triton's on-disk cache, under the key this
+process will look up (each build carries this process's Triton environment and ptxas version:
+`_process_build_state`). When the graph later launches the kernel, Triton loads it from the cache instead of
+building it; if a worker is still building it, the launch waits for that build (a hook on Triton's compile) rather
+than starting a second one. The loss, which is not compiled, submits its kernel from meta tensors of its chunk shape
+at start-up (same call).
 
 Best effort, never a change in what runs: a launch whose specialization the fake tensors cannot predict (a pointer
 that inductor's buffer planning places off 16 bytes: a fake tensor's storage offset is all that is known; a value
@@ -156,11 +158,9 @@ class TritonPrebuild:
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def wait(self, timeout: float | None = None) -> list[tuple[str, float]]:
-        """(kernel, build seconds in the worker) of every submitted build, once all have ended."""
-        out = []
-        for (_module, name, _key), future in list(self.futures.items()):
-            out.append((name, future.result(timeout=timeout)))
-        return out
+        """(kernel, build seconds in the worker, its launcher's included) of every submitted build, once all have
+        ended."""
+        return [(name, future.result(timeout=timeout)[0]) for (_module, name, _key), future in self.futures.items()]
 
     def summary(self) -> str:
         """One line: the builds handed to the workers (done / failed / still running) and what was not captured."""
@@ -170,7 +170,12 @@ class TritonPrebuild:
             f"{len(self.futures)} kernel builds handed to {self.workers} workers "
             f"({len(done) - failed} done, {failed} failed, {len(self.futures) - len(done)} still running)"
         )
-        for label, items in (("not captured", self.skipped), ("launched unpredicted", self.unpredicted)):
+        launchers = [f.result()[1] for f in done if f.exception() is None and f.result()[1] is not None]
+        for label, items in (
+            ("not captured", self.skipped),
+            ("launched unpredicted", self.unpredicted),
+            ("launchers not built by the workers", launchers),
+        ):
             if items:
                 line += f"; {label} (built in process): {'; '.join(items[:4])}"
                 line += f" and {len(items) - 4} more" if len(items) > 4 else ""
@@ -275,7 +280,11 @@ def _differences(predicted: str, launched: str) -> str:
 def _worker_init(cache_dir: str, preload: tuple[str, ...]) -> None:
     """A worker's start: the training process's Triton cache (wherever its caller pointed it), then Triton's compiler
     and the kernel modules imported ahead of the first build (a module that fails to import is left to `_build`,
-    which reports the error)."""
+    which reports the error). Shared libraries load with lazy binding: Triton loads each launcher it builds, and a
+    worker, which never launches, then needs no CUDA driver's symbols to do so."""
+    import sys
+
+    sys.setdlopenflags(os.RTLD_LAZY | os.RTLD_LOCAL)
     os.environ["TRITON_CACHE_DIR"] = cache_dir
     importlib.import_module("triton.compiler")
     for module in preload:
@@ -340,11 +349,12 @@ def _cache_key(source, options: dict, target, env_vars: dict) -> str:
     return hashlib.sha256(get_cache_key(source, backend, parsed, env_vars).encode("utf-8")).hexdigest()
 
 
-def _build(module: str, qualname: str, specialization_data: str, target, keyed_by: dict) -> float:
+def _build(module: str, qualname: str, specialization_data: str, target, keyed_by: dict) -> tuple[float, str | None]:
     """In a worker: build one serialized specialization (Triton's `serialize_specialization_data`) of the kernel
     `module.qualname` for `target` into the on-disk cache, under the key the training process looks up (`keyed_by`:
-    `_process_build_state`); returns the seconds it took. Mirrors `JITFunction.preload`, without the GPU driver the
-    worker does not need. Raises, naming both keys, where this worker would key it otherwise."""
+    `_process_build_state`), and its launcher; returns the seconds it took and why the launcher was not built (None
+    when it was). Mirrors `JITFunction.preload`, without the GPU driver the worker does not need. Raises, naming both
+    keys, where this worker would key it otherwise."""
     import triton
 
     start = time.perf_counter()
@@ -363,5 +373,20 @@ def _build(module: str, qualname: str, specialization_data: str, target, keyed_b
             f"{qualname}: a worker keys this build {key[:16]}, the training process {keyed_by['cache_key'][:16]} "
             "(a Triton setting differs between them); it builds in the training process"
         )
-    triton.compile(source, target=target, options=options, _env_vars=keyed_by["env_vars"])
-    return time.perf_counter() - start
+    kernel = triton.compile(source, target=target, options=options, _env_vars=keyed_by["env_vars"])
+    return time.perf_counter() - start, _build_launcher(kernel, target)
+
+
+def _build_launcher(kernel, target) -> str | None:
+    """Triton launches a kernel through a small C module made for its argument types, compiled (gcc, about 0.2 s) at
+    the kernel's first launch in the launching process and kept in the on-disk cache under a hash of its source;
+    built here, the launch loads it. None when built (or not for CUDA), else why not: the launch builds it then."""
+    if target.backend != "cuda":
+        return None
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+
+        CudaLauncher(kernel.src, kernel.metadata)
+    except Exception as e:  # noqa: BLE001 - best effort: the first launch builds it, as without a prebuild
+        return f"{kernel.name}: {type(e).__name__}: {str(e)[:200]}"
+    return None

@@ -81,6 +81,57 @@ def test_a_worker_keys_its_build_with_the_ptxas_version_this_process_hashes(trit
 
 
 @needs_triton
+def test_a_workers_build_includes_the_kernels_launcher(triton_prebuild_stub, tmp_path, monkeypatch):
+    """Triton compiles a launcher (a C module for the kernel's argument types) at a kernel's first launch, in the
+    launching process: the worker builds it too, and this process then finds it in the cache (no C compiler run).
+    Without a GPU, the launcher links against a stub libcuda and loads with lazy binding (it is never called)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    import triton
+    from activation import triton_kernels as K
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia import driver as nvidia
+    from triton.runtime import build
+
+    if not torch.cuda.is_available():
+        if shutil.which("cc") is None:
+            pytest.skip("needs a C compiler (Triton builds launchers with one)")
+        stub = tmp_path / "stub_libcuda"
+        stub.mkdir()
+        (stub / "stub.c").write_text("int stub_libcuda;\n")
+        subprocess.run(["cc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(stub / "libcuda.so.1"),
+                        str(stub / "stub.c")], check=True)  # fmt: skip
+        monkeypatch.setenv("TRITON_LIBCUDA_PATH", str(stub))
+    nvidia.libcuda_dirs.cache_clear()
+    nvidia.library_dirs.cache_clear()
+    pb = triton_prebuild.start_triton_prebuild(1)  # its worker starts with this environment
+    flags = sys.getdlopenflags()
+    try:
+        x = torch.empty(16, 256, dtype=torch.bfloat16, device="meta")
+        w = torch.empty(256, dtype=torch.bfloat16, device="meta")
+        triton_prebuild.capture_launches(lambda: K.rms_norm_fwd(x, x, w, 1e-6), x)
+        pb.wait(timeout=300)
+        assert "launchers not built" not in pb.summary(), pb.summary()
+        [data] = pb.captured.values()
+        source, options = triton_prebuild._source(K._rms_fwd_kernel, json.loads(data))
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        compiler_runs = []
+        real_build = build._build
+        monkeypatch.setattr(build, "_build", lambda *a, **k: compiler_runs.append(a[0]) or real_build(*a, **k))
+        sys.setdlopenflags(os.RTLD_LAZY | os.RTLD_LOCAL)
+        nvidia.CudaLauncher(kernel.src, kernel.metadata)  # what the first launch does
+        assert compiler_runs == []
+    finally:
+        sys.setdlopenflags(flags)
+        pb.close()
+        nvidia.libcuda_dirs.cache_clear()
+        nvidia.library_dirs.cache_clear()
+
+
+@needs_triton
 def test_a_worker_that_would_key_a_build_otherwise_fails_it_and_says_both_keys(triton_prebuild_stub, monkeypatch):
     """The worker checks its own key against the one this process looks up before it builds (a build nothing
     would load is a silent miss): the build fails, naming both keys, and the kernel builds in process."""
@@ -243,16 +294,23 @@ def test_symbolic_shapes_are_not_captured(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA + triton")
-def test_compiled_norm_launches_load_the_workers_kernels_on_cuda(triton_prebuild_stub):
+def test_compiled_norm_launches_load_the_workers_kernels_on_cuda(triton_prebuild_stub, monkeypatch):
     """torch.compile (static shapes) traces a fused-add RMSNorm, whose forward and backward ops' fake calls submit
-    their kernels; the compiled run's forward and backward then build none of them in this process: every compile
-    of these kernels Triton reports here is a cache hit of a worker's build, and the gradients equal the eager ones.
+    their kernels; the compiled run's forward and backward then build none of them (nor their launchers) in this
+    process: every compile of these kernels Triton reports here is a cache hit of a worker's build, the C compiler
+    never runs for a launcher, and the gradients equal the eager ones.
     fp16 at width 2816: a specialization no other test of the suite builds (a JITFunction keeps its builds in memory
     for the process, and a launch it already holds is neither captured nor compiled again)."""
     import activation
     import triton
+    from triton.runtime import build
 
     pb, _events = triton_prebuild_stub
+    launchers_built = []
+    real_build = build._build
+    monkeypatch.setattr(
+        build, "_build", lambda name, *a, **k: launchers_built.append(name) or real_build(name, *a, **k)
+    )
     ours = []
     triton.knobs.compilation.listener = lambda *a, src=None, cache_hit=False, **k: ours.append(
         (getattr(getattr(src, "fn", None), "__name__", ""), "hit" if cache_hit else "build")
@@ -271,5 +329,6 @@ def test_compiled_norm_launches_load_the_workers_kernels_on_cuda(triton_prebuild
     assert {"_rms_fwd_kernel", "_rms_bwd_dx_kernel", "_rms_bwd_dw_kernel"} <= submitted, pb.summary()
     rms = [(name, how) for name, how in ours if name.startswith("_rms_")]
     assert len(rms) == 3 and {how for _n, how in rms} == {"hit"}, (rms, pb.summary())
+    assert "__triton_launcher" not in launchers_built, pb.summary()
     (grad_eager,) = torch.autograd.grad(f(x, r, w), x)
     assert torch.equal(grad_compiled, grad_eager)
