@@ -434,6 +434,7 @@ def run_worker(case: Case) -> dict:
         first_step_samples.update(samples.summary())
         return result
 
+    pool_ready = compile_pool_ready()
     with jit_time_breakdown() as jit:  # the JIT builds outside torch.compile's phases (all in the first step)
         timed = time_steps(step_sampled_first, lambda i: i, case.steps, case.warmup, device)
     check_first_loss(case.name, first_ce(timed["first"]), vocab)
@@ -444,7 +445,7 @@ def run_worker(case: Case) -> dict:
         "first_step_s": timed["first_step_s"], "first_ce": first_ce(timed["first"]), "ln_vocab": math.log(vocab),
         "step_times_ms": [t * 1e3 for t in timed["times_s"]], "peak_bf16_tflops": peak / 1e12 if peak else None,
         **peak_memory_gib(device), **compile_stats(), "first_step_jit": jit.summary(),
-        "later_compiled_frames": timed["later_compiled_frames"],
+        "later_compiled_frames": timed["later_compiled_frames"], "compile_pool_ready_at_first_step": pool_ready,
         **({"first_step_samples": first_step_samples} if first_step_samples else {}),
         **{k: v for k, v in timed.items() if k.endswith("_after_step")},
     }  # fmt: skip
@@ -458,6 +459,18 @@ def run_worker(case: Case) -> dict:
     if case.profile_steps and device.type == "cuda":
         row["profile_groups"], row["profile_top_kernels"] = profile_kernel_groups(step, next_step, case.profile_steps)
     return row
+
+
+def compile_pool_ready() -> bool | None:
+    """Whether inductor's pool of compile workers was up when the first step started (else inductor builds the
+    first graph's kernels one by one in this process until it is); None where no pool was asked for (torchtitan
+    starts none before its first compile). Reads the pool's readiness without starting one."""
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+    except ImportError:
+        return None
+    ready = getattr(AsyncCompile, "_ready_future", None)
+    return None if ready is None else ready.done()
 
 
 def record_memory_peak(step, index: int, device) -> dict:
@@ -628,7 +641,8 @@ def first_step_breakdown(row: dict) -> str:
     rest = row["first_step_s"] - sum(v for _, v in parts)
     counts = {name: jit.get(f"{label}_calls") for name, label in labels}
     text = " + ".join(f"{name} {v:.1f}" + (f" ({counts[name]}x)" if counts.get(name) else "") for name, v in parts)
-    return f"{row['first_step_s']:.1f} s = {text} + rest {rest:.1f}"
+    pool = {True: "up", False: "still starting", None: "not started"}[row.get("compile_pool_ready_at_first_step")]
+    return f"{row['first_step_s']:.1f} s = {text} + rest {rest:.1f}; inductor's compile workers at its start: {pool}"
 
 
 def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llm_training.distributed.activation_checkpoint import apply_ac
-from llm_training.distributed.compile import apply_compile, compile_in_pieces, start_compile_workers
+from llm_training.distributed.compile import apply_compile, compile_in_pieces
 from llm_training.distributed.context_parallel import (
     ContextParallelSplit,
     apply_context_parallel,
@@ -136,8 +136,6 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
         cp_plan = plan_context_parallel(model.args, parallel_dims.cp, p.context_parallel_mode)
         cp_split = apply_context_parallel(model, cp_plan, parallel_dims.world_mesh["cp"].get_group())
     compiled = job_config.compile.enable and "model" in job_config.compile.components
-    if compiled and device.type == "cuda":
-        start_compile_workers()  # they start while the model is built, and build the first graphs' kernels
     ac_mode = job_config.activation_checkpoint.mode
     # only under whole-block recomputation: with no checkpoint, dynamo splits a block at its breaks by itself; a
     # "selective" policy cannot see into compiled pieces (those blocks run eagerly, which the first step reports)

@@ -39,7 +39,13 @@ import torch.distributed as dist
 from activation.triton_prebuild import start_triton_prebuild
 
 from llm_training.config import grad_accumulation_steps, to_toml
-from llm_training.distributed.compile import compile_progress, compile_report, compile_stats, compiled_since
+from llm_training.distributed.compile import (
+    compile_progress,
+    compile_report,
+    compile_stats,
+    compiled_since,
+    start_compile_workers,
+)
 from llm_training.distributed.context_parallel import shard_batch
 from llm_training.distributed.utils import all_reduce_, clip_grad_norm_, rank, world_size
 from llm_training.layers.attention.fa4_prebuild import start_fa4_prebuild
@@ -214,6 +220,10 @@ class Trainer:
         self.job_config = c = job_config
         self.parallel_dims = parallel_dims
         self.device = device
+        if c.compile.enable and "model" in c.compile.components and device.type == "cuda":
+            # inductor's compile workers start first: they take seconds to come up (7 s on an H100 host, session
+            # 27), and until they have, inductor builds the first graph's kernels one by one in this process
+            start_compile_workers()
         self.spec = spec = MOTIF3_SPEC
         self.rank = rank()
         self.dp_rank = parallel_dims.dp_rank(self.rank)

@@ -68,7 +68,24 @@ def test_first_step_line_adds_up_to_the_first_step():
     }  # fmt: skip
     line = bvt.first_step_breakdown(row)
     assert line == ("80.0 s = compile fwd 30.0 + bwd 15.0 + triton 10.0 (12x) + cute 8.0 (4x) + autotune 2.0"
-                    " + rest 15.0")  # fmt: skip
+                    " + rest 15.0; inductor's compile workers at its start: not started")  # fmt: skip
+    row["compile_pool_ready_at_first_step"] = False
+    assert bvt.first_step_breakdown(row).endswith("; inductor's compile workers at its start: still starting")
+
+
+def test_compile_pool_readiness_is_read_without_starting_a_pool(monkeypatch):
+    from concurrent.futures import Future
+
+    from torch._inductor.async_compile import AsyncCompile
+
+    bvt = _load("bench_vs_torchtitan")
+    monkeypatch.setattr(AsyncCompile, "_ready_future", None)
+    assert bvt.compile_pool_ready() is None and AsyncCompile._ready_future is None  # asked for nothing
+    pending = Future()
+    monkeypatch.setattr(AsyncCompile, "_ready_future", pending)
+    assert bvt.compile_pool_ready() is False
+    pending.set_result("ready")
+    assert bvt.compile_pool_ready() is True
 
 
 class _Fn:  # what `_specialization` reads of a Triton JITFunction: its name and argument names

@@ -511,7 +511,7 @@ def test_compile_workers_start_only_where_inductor_has_a_pool(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compile_workers_are_ready_before_the_first_graph_on_cuda():
-    """After `start_compile_workers` (what parallelize_motif calls when it compiles on CUDA), inductor's pool comes
+    """After `start_compile_workers` (what the Trainer calls first when it compiles on CUDA), inductor's pool comes
     up without any graph compiled: its kernels are then built by the workers, not one by one in this process."""
     from torch._inductor.async_compile import AsyncCompile
 
