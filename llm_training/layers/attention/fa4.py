@@ -63,6 +63,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from llm_training.layers.attention import fa4_prebuild
 from llm_training.layers.attention.masks import repeat_kv, window_tensor, window_value
 
 GQA_LAYOUTS = ("expand_kv", "pad_v")
@@ -177,6 +178,20 @@ def _sum_kv_copies(dx_THD: torch.Tensor, n_rep: int) -> torch.Tensor:
     return dx_THD if n_rep == 1 else dx_THD.unflatten(-2, (-1, n_rep)).sum(-2)
 
 
+def kernel_key(pass_: str, q: Tensor, kv_heads: int, d_v: int, cu_seqlens: Optional[Tensor], causal: bool) -> str:
+    """What tells flash-attn-4 4.0.0b36's kernels of one call apart (its compile keys, `flash_attn/cute/interface.py`,
+    less the GPU, which the side process shares): the pass, dtype, query and (repeated) KV heads, head dims, causal
+    or windowed (not the window's width), varlen, and more than `fa4_prebuild.FA4_MANY_DOCUMENTS` documents. Token
+    counts are not in it. The prebuild's side process and the training process name a kernel by it (`fa4_prebuild`)."""
+    layout = "batched" if cu_seqlens is None else "varlen"
+    if cu_seqlens is not None and cu_seqlens.numel() - 1 > fa4_prebuild.FA4_MANY_DOCUMENTS:
+        layout += f" over {fa4_prebuild.FA4_MANY_DOCUMENTS} documents"
+    heads = f"{q.shape[-2]}/{kv_heads} heads"
+    dims = f"head dims {q.shape[-1]}/{d_v}"
+    mask = "causal" if causal else "window"
+    return f"{pass_} {str(q.dtype).removeprefix('torch.')} {heads} {dims} {mask} {layout}"
+
+
 def _window_size(window: Optional[int]) -> tuple[Optional[int], Optional[int]]:
     """FA4's (left, right) for our window: None = causal over every earlier key, W = the W keys before and none
     after (W + 1 with the query's own)."""
@@ -246,11 +261,14 @@ def _fa4_fwd_op(
     from flash_attn.cute.interface import _flash_attn_fwd
 
     causal, left, right = _fa4_window(window)
+    key = kernel_key("forward", q, k.shape[-2] * n_rep, v.shape[-1], cu_seqlens, causal)
+    fa4_prebuild.kernel_starts(key)  # waits for the kernel if the prebuild's side process is building it now
     out, lse = _flash_attn_fwd(
         q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
         max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=causal, softcap=0.0,
         window_size_left=left, window_size_right=right, return_lse=True,
     )[:2]  # fmt: skip
+    fa4_prebuild.kernel_done(key)
     out, lse = out.contiguous(), lse.contiguous()
     if slot != NO_KEEP and not in_backward:
         # a copy: the caller's graph owns `out` and may write a later intermediate into its buffer once `out` is
@@ -275,11 +293,14 @@ def _fa4_bwd_op(
     from flash_attn.cute.interface import _flash_attn_bwd
 
     causal, left, right = _fa4_window(window)
+    key = kernel_key("backward", q, k.shape[-2] * n_rep, v.shape[-1], cu_seqlens, causal)
+    fa4_prebuild.kernel_starts(key)
     dq, dk, dv = _flash_attn_bwd(
         q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), out, dout, lse, scale, causal, 0.0,
         window_size_left=left, window_size_right=right, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
         max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, dlse=dlse,
     )[:3]  # fmt: skip
+    fa4_prebuild.kernel_done(key)
     return dq.contiguous(), _sum_kv_copies(dk, n_rep).contiguous(), _sum_kv_copies(dv, n_rep).contiguous()
 
 

@@ -16,8 +16,16 @@ harness cases, 2.5 s of CuTe build in the training process). That process runs e
 sends to flash-attn-4 once, forward and backward, through the same `fa4_attention` the layers call, and exits; the
 kernels land in the cache while the training process traces and compiles its graphs, and its first attention call
 loads them (no build) instead of compiling. A kernel the side process has not finished when training needs it is
-simply built by the training process too (the first export wins, the second is skipped). Nothing waits for the
-side process, and its failure only costs the time it would have saved (a warning says why).
+built by the training process too (the first export wins, the second is skipped), unless the side process is
+building that very kernel at that moment: the side process announces each kernel call's start and end
+(`kernel_starts` / `kernel_done`, called by `fa4`'s ops around every flash-attn-4 call, with the call's compile key,
+`fa4.kernel_key`), and a training process that reaches a kernel the side process has started waits for it
+(`Fa4Prebuild.wait_for_kernel`), since the rest of a build already under way takes less than a build of its own. On
+the H200 of session 27 the training process lost that race for one or two forward kernels in three of four harness
+runs and built them itself (3.1-8.2 s of the first step). A kernel the side process has not started, or one it
+failed, the training process builds at once; its failure only costs the time it would have saved (a warning says
+why). Only the process that started the side process (local rank 0) hears it; the node's other ranks load what the
+cache holds when they get there and build the rest.
 
 The prebuild runs small shapes: flash-attn-4 4.0.0b36's compile keys (`flash_attn/cute/interface.py`) hold the
 dtype, head dims, query heads per KV head, causal / window, varlen, the GPU arch and the kernel's tile config, which
@@ -53,6 +61,10 @@ FA4_MANY_DOCUMENTS = 256
 # micro-batches from this many tokens (B x S) may pack more than FA4_MANY_DOCUMENTS documents (an average of 256
 # tokens or less, e.g. short chats in a 256K SFT row): their kernels are prebuilt too, after the common ones
 MANY_DOCUMENTS_MIN_TOKENS = 65536
+# The most a training process waits for a kernel the side process has started: a CuTe DSL build takes 3-15 s
+KERNEL_WAIT_S = 120.0
+# the side process's lines around each flash-attn-4 kernel call (followed by the call's `fa4.kernel_key`)
+KERNEL_START, KERNEL_DONE = "kernel start: ", "kernel done: "
 
 
 @dataclass(frozen=True)
@@ -136,9 +148,31 @@ def prebuild_skip_reason(job_config, parallel_dims, device: torch.device) -> str
     return None
 
 
+# This process's side process, while it may still build (`start_fa4_prebuild` sets it, `Fa4Prebuild.close` clears it)
+_active: Fa4Prebuild | None = None
+# True in the side process (`_run`): kernel calls are announced on its standard output
+_announcing = False
+
+
+def kernel_starts(key: str) -> None:
+    """Before a flash-attn-4 kernel call whose compile key is `key` (`fa4.kernel_key`): the side process announces
+    it; a training process whose side process is building that kernel now waits for it (module docstring)."""
+    if _announcing:
+        print(KERNEL_START + key, flush=True)
+    elif _active is not None:
+        _active.wait_for_kernel(key)
+
+
+def kernel_done(key: str) -> None:
+    """After that call: the side process announces that the kernel is built (and in the cache)."""
+    if _announcing:
+        print(KERNEL_DONE + key, flush=True)
+
+
 class Fa4Prebuild:
-    """The running side process: its output is logged line by line (`[fa4 prebuild] ...`) from a reader thread;
-    `close()` (also at interpreter exit) stops it if it still runs."""
+    """The running side process: its output is logged line by line (`[fa4 prebuild] ...`) from a reader thread,
+    which also follows the kernels it announces (building / built); `close()` (also at interpreter exit) stops it if
+    it still runs."""
 
     def __init__(self, plan: PrebuildPlan):
         self.plan = plan
@@ -149,7 +183,11 @@ class Fa4Prebuild:
             text=True,
             env=dict(os.environ),
         )
-        self.lines: list[str] = []
+        self.lines: list[str] = []  # its output, less the kernel announcements
+        self.kernels: dict[str, str] = {}  # compile key -> "building" | "built", as the side process announces them
+        self.waited: dict[str, float] = {}  # compile key -> seconds the training process waited for it
+        self._changed = threading.Condition()
+        self._ended = False
         self._reader = threading.Thread(target=self._read, name="fa4-prebuild-log", daemon=True)
         self._reader.start()
         atexit.register(self.close)
@@ -157,9 +195,19 @@ class Fa4Prebuild:
     def _read(self) -> None:
         for line in self.process.stdout:
             line = line.rstrip()
-            self.lines.append(line)
-            logger.info("[fa4 prebuild] %s", line)
+            for marker, state in ((KERNEL_START, "building"), (KERNEL_DONE, "built")):
+                if line.startswith(marker):
+                    with self._changed:
+                        self.kernels[line[len(marker) :]] = state
+                        self._changed.notify_all()
+                    break
+            else:
+                self.lines.append(line)
+                logger.info("[fa4 prebuild] %s", line)
         code = self.process.wait()
+        with self._changed:
+            self._ended = True
+            self._changed.notify_all()
         if code not in (0, -15):  # -15: close() stopped it
             tail = " | ".join(self.lines[-3:])
             logger.warning(
@@ -169,6 +217,21 @@ class Fa4Prebuild:
                 tail or "no output",
             )
 
+    def wait_for_kernel(self, key: str, timeout: float = KERNEL_WAIT_S) -> bool:
+        """If the side process is building the kernel of compile key `key` now, wait until it has (or has ended, or
+        `timeout` seconds): whether the kernel is built. A kernel it has not started, or has built, is not waited
+        for (False / True at once). The wait is logged, and kept in `waited`."""
+        with self._changed:
+            if self.kernels.get(key) != "building":
+                return self.kernels.get(key) == "built"
+            start = time.perf_counter()
+            self._changed.wait_for(lambda: self.kernels.get(key) != "building" or self._ended, timeout)
+            built = self.kernels.get(key) == "built"
+        self.waited[key] = time.perf_counter() - start
+        outcome = "it is built" if built else "it is not built; the training process builds it"
+        logger.info("flash-attn-4: waited %.1f s for the side process's %s kernel: %s", self.waited[key], key, outcome)
+        return built
+
     def wait(self, timeout: float | None = None) -> int:
         """The side process's exit code, after it ends (or `subprocess.TimeoutExpired`), its output all logged."""
         code = self.process.wait(timeout)
@@ -176,6 +239,9 @@ class Fa4Prebuild:
         return code
 
     def close(self) -> None:
+        global _active
+        if _active is self:
+            _active = None
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -207,7 +273,9 @@ def start_fa4_prebuild(model: torch.nn.Module, job_config, parallel_dims, device
         "flash-attn-4: building the kernels of %d attention kind(s) in a side process while the step compiles",
         len(kinds),
     )
-    return Fa4Prebuild(plan)
+    global _active
+    _active = Fa4Prebuild(plan)
+    return _active
 
 
 def document_layout(documents: int, row_tokens: int) -> tuple[int, torch.Tensor]:
@@ -222,7 +290,17 @@ def document_layout(documents: int, row_tokens: int) -> tuple[int, torch.Tensor]
 
 
 def _run(plan: PrebuildPlan) -> None:
-    """The side process: every kind's forward, then every backward, per document layout (module docstring)."""
+    """The side process: every kind's forward, then every backward, per document layout (module docstring), each
+    kernel call announced (`kernel_starts` / `kernel_done`)."""
+    global _announcing
+    _announcing = True
+    try:
+        _run_plan(plan)
+    finally:
+        _announcing = False
+
+
+def _run_plan(plan: PrebuildPlan) -> None:
     from llm_training.layers.attention.backends import build_attention_metadata
     from llm_training.layers.attention.fa4 import fa4_attention
 

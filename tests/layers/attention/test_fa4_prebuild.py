@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -121,9 +122,107 @@ def test_side_process_runs_every_forward_then_every_backward_per_layout(monkeypa
     assert [(c[0], c[1]) for c in calls] == [(fwd, None), (fwd, 8), (bwd, None), (bwd, 8)] * 2
     assert {c[2] for c in calls[:4]} == {few} and min(c[2] for c in calls[4:]) >= many
     assert len(max_logits_calls) == 4
-    out = capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().out.splitlines()
+    markers = [line for line in lines if line.startswith((fa4_prebuild.KERNEL_START, fa4_prebuild.KERNEL_DONE))]
+    out = [line for line in lines if line not in markers]
     assert len(out) == 9 and out[0].startswith("few documents, full causal, 4/2 heads, head dims 16/8: forward")
     assert out[-1].startswith("done: 2 kind(s) x 2 document layout(s)")
+    # every kernel call announced: its start, then its end, under the call's compile key
+    starts, dones = markers[0::2], markers[1::2]
+    keys = [m.removeprefix(fa4_prebuild.KERNEL_START) for m in starts]
+    assert len(markers) == 2 * len(calls) and dones == [fa4_prebuild.KERNEL_DONE + key for key in keys]
+    assert [key.split()[0] for key in keys] == ["forward", "forward", "backward", "backward"] * 2
+    assert [key.split()[-3:] for key in keys[4:]] == [["over", str(FA4_MANY_DOCUMENTS), "documents"]] * 4
+    assert len(set(keys)) == 8 and not fa4_prebuild._announcing  # back off once the run is over
+
+
+class _Waits:  # what `kernel_starts` asks of the active prebuild
+    def __init__(self):
+        self.keys = []
+
+    def wait_for_kernel(self, key):
+        self.keys.append(key)
+        return True
+
+
+def test_training_asks_for_the_kernels_under_the_keys_the_side_process_announced(monkeypatch, capsys):
+    """The training process's attention calls (other token counts, a compiled-graph-free eager call) name each
+    kernel by the same compile key as the side process did, so it waits for the very kernels it needs."""
+    install_emulated_fa4(monkeypatch)
+    kinds = [Fa4AttentionKind(4, 2, 16, 8, None, 0.25), Fa4AttentionKind(4, 2, 16, 8, 8, 0.25)]
+    fa4_prebuild._run(PrebuildPlan("cpu", "bfloat16", 160, kinds))
+    announced = {
+        line.removeprefix(fa4_prebuild.KERNEL_START)
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith(fa4_prebuild.KERNEL_START)
+    }
+    waits = _Waits()
+    monkeypatch.setattr(fa4_prebuild, "_active", waits)
+    from llm_training.layers.attention.backends import build_attention_metadata
+
+    B, S = 3, 96  # not the side process's rows
+    docs_BS = (torch.arange(S) >= 40).long() + 2 * torch.arange(B)[:, None]
+    for kind in kinds:
+        meta = build_attention_metadata("fa4", docs_BS, [kind.window], B, S, torch.device("cpu"))
+        q, k, v = (
+            torch.randn(B, S, heads, dim, dtype=torch.bfloat16, requires_grad=True)
+            for heads, dim in ((4, 16), (2, 16), (2, 8))
+        )
+        out, _ = fa4.fa4_attention(
+            q, k, v, scale=kind.softmax_scale, window=kind.window, metadata=meta, record_max_logits=False
+        )
+        out.float().sum().backward()
+    assert len(waits.keys) == 4 and set(waits.keys) == announced
+
+
+_ANNOUNCER = textwrap.dedent(
+    """
+    import sys, time
+    start, done = sys.argv[1:3]
+    print(start + "forward K", flush=True)
+    time.sleep(1.0)
+    print(done + "forward K", flush=True)
+    print(start + "backward K", flush=True)
+    time.sleep(1.0)
+    sys.exit(3)  # dies while building the backward
+    """
+)
+
+
+def test_a_training_process_waits_only_for_a_kernel_the_side_process_is_building(monkeypatch, caplog):
+    """A side process that announces a forward kernel, builds it for a second, then starts a backward and dies:
+    the training process waits for the forward (built), not for a kernel never started, and stops waiting for the
+    backward when the side process ends, without reaching its timeout."""
+    popen = subprocess.Popen
+
+    def announcer(command, **kwargs):  # the side process's command, replaced by the script above
+        script = [sys.executable, "-c", _ANNOUNCER, fa4_prebuild.KERNEL_START, fa4_prebuild.KERNEL_DONE]
+        return popen(script, **kwargs)
+
+    monkeypatch.setattr(fa4_prebuild.subprocess, "Popen", announcer)
+    prebuild = Fa4Prebuild(PrebuildPlan("cpu", "bfloat16", 64, [Fa4AttentionKind(4, 2, 16, 8, None, 0.25)]))
+    monkeypatch.setattr(fa4_prebuild, "_active", prebuild)
+
+    def announced(key):
+        deadline = time.monotonic() + 60
+        while prebuild.kernels.get(key) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    assert prebuild.wait_for_kernel("forward other") is False and prebuild.waited == {}  # never started
+    announced("forward K")
+    with caplog.at_level(logging.INFO, logger=fa4_prebuild.__name__):
+        fa4_prebuild.kernel_starts("forward K")  # what the ops call: the wait
+    assert prebuild.kernels["forward K"] == "built" and prebuild.waited["forward K"] > 0
+    assert any("waited" in r.getMessage() and "forward K kernel: it is built" in r.getMessage() for r in caplog.records)
+    assert prebuild.wait_for_kernel("forward K") is True and len(prebuild.waited) == 1  # built: no second wait
+    announced("backward K")
+    start = time.perf_counter()
+    assert prebuild.wait_for_kernel("backward K", timeout=60) is False  # the side process died building it
+    assert time.perf_counter() - start < 30 and prebuild.wait(60) == 3
+    # the announcements are followed, not logged as the side process's output
+    assert prebuild.lines == [] and not any(fa4_prebuild.KERNEL_START in r.getMessage() for r in caplog.records)
+    prebuild.close()
+    assert fa4_prebuild._active is None  # closed: the ops no longer consult it
 
 
 def test_a_failed_side_process_is_logged_and_leaves_training_alone(caplog):
