@@ -308,3 +308,63 @@ def test_prebuilt_kernels_load_without_a_build_at_other_shapes(tmp_path):
     assert called.returncode == 0, called.stdout + called.stderr
     builds = json.loads(called.stdout.splitlines()[-1])
     assert builds["prebuilt"] == 0 and builds["control"] > 0, builds
+
+
+_WAITER = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch
+    import cutlass.cute as cute
+    import flash_attn.cute.interface  # noqa: F401
+    from llm_training.layers.attention import fa4, fa4_prebuild
+    from llm_training.layers.attention.backends import build_attention_metadata
+
+    plan = fa4_prebuild.PrebuildPlan.from_json(sys.argv[1])
+    (kind,) = plan.kinds
+    prebuild = fa4_prebuild.Fa4Prebuild(plan)
+    fa4_prebuild._active = prebuild  # what start_fa4_prebuild sets
+    deadline = time.monotonic() + 240
+    while not prebuild.kernels and prebuild.process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    announced = list(prebuild.kernels)
+    builds = []
+    compile_ = cute.compile
+    cute.compile = lambda *a, **kw: builds.append(1) or compile_(*a, **kw)
+    B, S = 2, 4096
+    docs_BS = ((torch.arange(S) >= 1500).long() + 2 * torch.arange(B)[:, None]).cuda()
+    meta = build_attention_metadata("fa4", docs_BS, [None], B, S, torch.device("cuda"))
+    q = torch.randn(B, S, kind.n_heads, kind.d_qk, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, S, kind.n_kv_heads, kind.d_qk, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, S, kind.n_kv_heads, kind.d_v, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        fa4.fa4_attention(q, k, v, scale=kind.softmax_scale, window=None, metadata=meta, record_max_logits=False)
+    torch.cuda.synchronize()
+    prebuild.close()
+    print(json.dumps({"announced": announced, "builds": len(builds), "waited": prebuild.waited}))
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_kernel_the_side_process_is_building_is_waited_for_not_built(tmp_path):
+    """A process starts the side process on a fresh persistent cache and, as soon as the side process announces its
+    first kernel (the forward), calls that attention itself: it waits for the side process's build and loads the
+    kernel, building none of its own."""
+    if fa4.fa4_unavailable_reason(torch.device("cuda")) is not None:
+        pytest.skip(f"flash-attn-4 unavailable: {fa4.fa4_unavailable_reason(torch.device('cuda'))}")
+    env = {
+        **os.environ,
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(tmp_path),
+    }
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
+    plan = PrebuildPlan("cuda:0", "bfloat16", 2048, [Fa4AttentionKind(16, 4, 192, 128, None, 0.07)])
+    called = subprocess.run(
+        [sys.executable, "-c", _WAITER, plan.to_json()], env=env, capture_output=True, text=True, timeout=400
+    )
+    assert called.returncode == 0, called.stdout + called.stderr
+    result = json.loads(called.stdout.splitlines()[-1])
+    (key,) = result["announced"]
+    assert key.startswith("forward bfloat16 16/") and key.endswith("head dims 192/128 causal varlen"), key
+    assert result["builds"] == 0 and list(result["waited"]) == [key], result
