@@ -359,4 +359,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    # `python -m` runs this file as `__main__`, a second module object beside the `fa4_prebuild` that `fa4`'s kernel
+    # calls import: run in that one, where `_announcing` is read (set here, the announcements would never be made)
+    from llm_training.layers.attention import fa4_prebuild
+
+    sys.exit(fa4_prebuild.main(sys.argv[1:]))

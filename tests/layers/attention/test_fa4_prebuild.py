@@ -8,10 +8,12 @@ import dataclasses
 import json
 import logging
 import os
+import runpy
 import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -134,6 +136,21 @@ def test_side_process_runs_every_forward_then_every_backward_per_layout(monkeypa
     assert [key.split()[0] for key in keys] == ["forward", "forward", "backward", "backward"] * 2
     assert [key.split()[-3:] for key in keys[4:]] == [["over", str(FA4_MANY_DOCUMENTS), "documents"]] * 4
     assert len(set(keys)) == 8 and not fa4_prebuild._announcing  # back off once the run is over
+
+
+def test_the_side_process_command_announces_from_the_module_the_kernel_calls_read(monkeypatch):
+    """`python -m ...fa4_prebuild PLAN` runs the file as `__main__`, a second copy of the module; the kernel calls
+    (`fa4` -> `fa4_prebuild.kernel_starts`) read `_announcing` in the imported one, so that is where the run must
+    happen, or nothing is announced (the GPU test found it)."""
+    seen = []
+    monkeypatch.setattr(fa4_prebuild, "_run_plan", lambda plan: seen.append((plan, fa4_prebuild._announcing)))
+    plan = PrebuildPlan("cpu", "float32", 160, [Fa4AttentionKind(4, 2, 16, 8, None, 0.25)])
+    monkeypatch.setattr(sys, "argv", ["fa4_prebuild", plan.to_json()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module is imported already (it is, on purpose)
+        with pytest.raises(SystemExit) as exited:
+            runpy.run_module(fa4_prebuild.__name__, run_name="__main__")
+    assert exited.value.code == 0 and seen == [(plan, True)] and not fa4_prebuild._announcing
 
 
 class _Waits:  # what `kernel_starts` asks of the active prebuild
