@@ -452,6 +452,8 @@ def run_worker(case: Case) -> dict:
     row.update(throughput(case.tokens_per_step, statistics.median(timed["times_s"]), flops, peak))
     if case.system != "torchtitan" and trainer.triton_prebuild is not None:
         row["triton_prebuild_summary"] = trainer.triton_prebuild.summary()
+    if case.system != "torchtitan" and trainer.kernel_prebuild is not None:
+        row["fa4_prebuild_summary"] = trainer.kernel_prebuild.summary()
     next_step = case.steps + case.warmup
     if case.memory_snapshot and device.type == "cuda":
         row["memory_peak"] = record_memory_peak(step, next_step, device)
@@ -681,6 +683,8 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
                 lines.append(f"{r['case']:<36}slowest JIT builds: {builds}")
             if r.get("triton_prebuild_summary"):
                 lines.append(f"{r['case']:<36}Triton prebuild: {r['triton_prebuild_summary']}")
+            if r.get("fa4_prebuild_summary"):
+                lines.append(f"{r['case']:<36}flash-attn-4 prebuild: {r['fa4_prebuild_summary']}")
             rebuilt = format_rebuilt((r.get("first_step_jit") or {}).get("rebuilt", []))
             if rebuilt:
                 lines.append(f"{r['case']:<36}Triton kernels built more than once: {rebuilt}")

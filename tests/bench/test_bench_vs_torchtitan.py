@@ -117,6 +117,16 @@ def test_ratios_and_table_pair_each_of_our_rows_with_torchtitan_in_its_group():
     assert "ours / torchtitan" in table and "0.400" in table and "20.2%" in table  # 200 / 989
 
 
+def test_the_table_says_what_each_prebuild_did_after_the_first_step_line():
+    triton, fa4 = "21 kernel builds handed to 4 workers", "6 kernels announced (6 built, 0 building; exited 0)"
+    row = _row("ours", "accum", 30000.0, 300.0, 350.0, compile_time_s={"total_forward_s": 20.0},
+               triton_prebuild_summary=triton, fa4_prebuild_summary=fa4)  # fmt: skip
+    lines = bvt.format_table([row], []).splitlines()
+    case = "ours@accum" + " " * 26
+    first = next(i for i, line in enumerate(lines) if line.startswith(case + "first step 61.0 s"))
+    assert lines[first + 1 : first + 3] == [case + "Triton prebuild: " + triton, case + "flash-attn-4 prebuild: " + fa4]
+
+
 def test_torchtitan_real_work_halves_the_attention():
     flops = bvt.torchtitan_flops_per_token(1000, 2, 3, 4, 10)
     assert flops == {"torchtitan": 1000.0, "megatron": 1000 - 6 * 2 * 3 * 4 * 10 / 2}

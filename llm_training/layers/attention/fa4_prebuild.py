@@ -232,6 +232,20 @@ class Fa4Prebuild:
         logger.info("flash-attn-4: waited %.1f s for the side process's %s kernel: %s", self.waited[key], key, outcome)
         return built
 
+    def summary(self) -> str:
+        """One line: the kernels the side process announced (built / still building) and those the training process
+        waited for, with the seconds it waited."""
+        with self._changed:
+            states = list(self.kernels.values())
+            running = "still running" if self.process.poll() is None else f"exited {self.process.returncode}"
+        built = states.count("built")
+        building = len(states) - built
+        line = f"{len(states)} kernels announced ({built} built, {building} building; side process {running})"
+        if self.waited:
+            waits = ", ".join(f"{s:.1f} s for {key}" for key, s in self.waited.items())
+            line += f"; the training process waited {waits}"
+        return line
+
     def wait(self, timeout: float | None = None) -> int:
         """The side process's exit code, after it ends (or `subprocess.TimeoutExpired`), its output all logged."""
         code = self.process.wait(timeout)

@@ -238,6 +238,9 @@ def test_a_training_process_waits_only_for_a_kernel_the_side_process_is_building
     assert time.perf_counter() - start < 30 and prebuild.wait(60) == 3
     # the announcements are followed, not logged as the side process's output
     assert prebuild.lines == [] and not any(fa4_prebuild.KERNEL_START in r.getMessage() for r in caplog.records)
+    summary = prebuild.summary()  # the harness's line
+    assert summary.startswith("2 kernels announced (1 built, 1 building; side process exited 3)"), summary
+    assert f"waited {prebuild.waited['forward K']:.1f} s for forward K, " in summary and "backward K" in summary
     prebuild.close()
     assert fa4_prebuild._active is None  # closed: the ops no longer consult it
 
