@@ -57,13 +57,14 @@ which breaks SDPA and varlen on torch 2.11 / 2.13: docs/dependencies.md).
 Only bf16 / fp16 on CUDA; anything else raises with the alternative named. The package is imported lazily.
 """
 
+import contextlib
 import functools
+from collections.abc import Callable, Iterator
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from llm_training.layers.attention import fa4_prebuild
 from llm_training.layers.attention.masks import repeat_kv, window_tensor, window_value
 
 GQA_LAYOUTS = ("expand_kv", "pad_v")
@@ -178,14 +179,46 @@ def _sum_kv_copies(dx_THD: torch.Tensor, n_rep: int) -> torch.Tensor:
     return dx_THD if n_rep == 1 else dx_THD.unflatten(-2, (-1, n_rep)).sum(-2)
 
 
+# FA4 4.0.0b36's BIN_BATCH_SEARCH_THRESH: a varlen call over more documents than this compiles other kernels
+FA4_MANY_DOCUMENTS = 256
+
+# Called as watcher(event, key) around every flash-attn-4 kernel call: event "start" before it, "done" after it, key
+# the call's compile key (`kernel_key`). Set by the kernel prebuild (`fa4_prebuild`): its side process announces the
+# calls; a training process waits for a kernel the side process is building. None: nothing watches (no cost).
+_kernel_call_watcher: Optional[Callable[[str, str], None]] = None
+
+
+def watch_kernel_calls(watcher: Optional[Callable[[str, str], None]]) -> Optional[Callable[[str, str], None]]:
+    """Make `watcher` the function called around each flash-attn-4 kernel call (None: none); returns the one it
+    replaces."""
+    global _kernel_call_watcher
+    previous, _kernel_call_watcher = _kernel_call_watcher, watcher
+    return previous
+
+
+@contextlib.contextmanager
+def _watched_call(
+    pass_: str, q: Tensor, kv_heads: int, d_v: int, cu_seqlens: Optional[Tensor], causal: bool
+) -> Iterator[None]:
+    """Around one kernel call: the watcher hears its start and end (the key is only computed when one listens)."""
+    watcher = _kernel_call_watcher
+    if watcher is None:
+        yield
+        return
+    key = kernel_key(pass_, q, kv_heads, d_v, cu_seqlens, causal)
+    watcher("start", key)
+    yield
+    watcher("done", key)
+
+
 def kernel_key(pass_: str, q: Tensor, kv_heads: int, d_v: int, cu_seqlens: Optional[Tensor], causal: bool) -> str:
     """What tells flash-attn-4 4.0.0b36's kernels of one call apart (its compile keys, `flash_attn/cute/interface.py`,
     less the GPU, which the side process shares): the pass, dtype, query and (repeated) KV heads, head dims, causal
-    or windowed (not the window's width), varlen, and more than `fa4_prebuild.FA4_MANY_DOCUMENTS` documents. Token
-    counts are not in it. The prebuild's side process and the training process name a kernel by it (`fa4_prebuild`)."""
+    or windowed (not the window's width), varlen, and more than `FA4_MANY_DOCUMENTS` documents. Token counts are not
+    in it. The prebuild's side process and the training process name a kernel by it (`fa4_prebuild`)."""
     layout = "batched" if cu_seqlens is None else "varlen"
-    if cu_seqlens is not None and cu_seqlens.numel() - 1 > fa4_prebuild.FA4_MANY_DOCUMENTS:
-        layout += f" over {fa4_prebuild.FA4_MANY_DOCUMENTS} documents"
+    if cu_seqlens is not None and cu_seqlens.numel() - 1 > FA4_MANY_DOCUMENTS:
+        layout += f" over {FA4_MANY_DOCUMENTS} documents"
     heads = f"{q.shape[-2]}/{kv_heads} heads"
     dims = f"head dims {q.shape[-1]}/{d_v}"
     mask = "causal" if causal else "window"
@@ -261,14 +294,13 @@ def _fa4_fwd_op(
     from flash_attn.cute.interface import _flash_attn_fwd
 
     causal, left, right = _fa4_window(window)
-    key = kernel_key("forward", q, k.shape[-2] * n_rep, v.shape[-1], cu_seqlens, causal)
-    fa4_prebuild.kernel_starts(key)  # waits for the kernel if the prebuild's side process is building it now
-    out, lse = _flash_attn_fwd(
-        q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-        max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=causal, softcap=0.0,
-        window_size_left=left, window_size_right=right, return_lse=True,
-    )[:2]  # fmt: skip
-    fa4_prebuild.kernel_done(key)
+    # a training process waits here for the kernel if the prebuild's side process is building it now
+    with _watched_call("forward", q, k.shape[-2] * n_rep, v.shape[-1], cu_seqlens, causal):
+        out, lse = _flash_attn_fwd(
+            q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+            max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=causal, softcap=0.0,
+            window_size_left=left, window_size_right=right, return_lse=True,
+        )[:2]  # fmt: skip
     out, lse = out.contiguous(), lse.contiguous()
     if slot != NO_KEEP and not in_backward:
         # a copy: the caller's graph owns `out` and may write a later intermediate into its buffer once `out` is
@@ -293,14 +325,12 @@ def _fa4_bwd_op(
     from flash_attn.cute.interface import _flash_attn_bwd
 
     causal, left, right = _fa4_window(window)
-    key = kernel_key("backward", q, k.shape[-2] * n_rep, v.shape[-1], cu_seqlens, causal)
-    fa4_prebuild.kernel_starts(key)
-    dq, dk, dv = _flash_attn_bwd(
-        q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), out, dout, lse, scale, causal, 0.0,
-        window_size_left=left, window_size_right=right, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-        max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, dlse=dlse,
-    )[:3]  # fmt: skip
-    fa4_prebuild.kernel_done(key)
+    with _watched_call("backward", q, k.shape[-2] * n_rep, v.shape[-1], cu_seqlens, causal):
+        dq, dk, dv = _flash_attn_bwd(
+            q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), out, dout, lse, scale, causal, 0.0,
+            window_size_left=left, window_size_right=right, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+            max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, dlse=dlse,
+        )[:3]  # fmt: skip
     return dq.contiguous(), _sum_kv_copies(dk, n_rep).contiguous(), _sum_kv_copies(dv, n_rep).contiguous()
 
 

@@ -17,10 +17,11 @@ sends to flash-attn-4 once, forward and backward, through the same `fa4_attentio
 kernels land in the cache while the training process traces and compiles its graphs, and its first attention call
 loads them (no build) instead of compiling. A kernel the side process has not finished when training needs it is
 built by the training process too (the first export wins, the second is skipped), unless the side process is
-building that very kernel at that moment: the side process announces each kernel call's start and end
-(`kernel_starts` / `kernel_done`, called by `fa4`'s ops around every flash-attn-4 call, with the call's compile key,
-`fa4.kernel_key`), and a training process that reaches a kernel the side process has started waits for it
-(`Fa4Prebuild.wait_for_kernel`), since the rest of a build already under way takes less than a build of its own. On
+building that very kernel at that moment: `fa4`'s ops tell a watcher (`fa4.watch_kernel_calls`) of every
+flash-attn-4 call's start and end, with the call's compile key (`fa4.kernel_key`); the side process's watcher
+announces them on its output, and the training process's (`Fa4Prebuild`, while the side process runs) waits for a
+kernel the side process has started (`Fa4Prebuild.wait_for_kernel`), since the rest of a build already under way
+takes less than a build of its own. On
 the H200 of session 27 the training process lost that race for one or two forward kernels in three of four harness
 runs and built them itself (3.1-8.2 s of the first step). A kernel the side process has not started, or one it
 failed, the training process builds at once; its failure only costs the time it would have saved (a warning says
@@ -51,13 +52,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from llm_training.layers.attention import fa4
+from llm_training.layers.attention.fa4 import FA4_MANY_DOCUMENTS
+
 logger = logging.getLogger(__name__)
 
 # rows x tokens of the prebuild's batches: several 128-token tiles per document, a few MiB of activations
 PREBUILD_ROWS = 2
 PREBUILD_MAX_ROW_TOKENS = 2048
-# FA4 4.0.0b36's BIN_BATCH_SEARCH_THRESH: a varlen call over more documents than this compiles other kernels
-FA4_MANY_DOCUMENTS = 256
 # micro-batches from this many tokens (B x S) may pack more than FA4_MANY_DOCUMENTS documents (an average of 256
 # tokens or less, e.g. short chats in a 256K SFT row): their kernels are prebuilt too, after the common ones
 MANY_DOCUMENTS_MIN_TOKENS = 65536
@@ -148,31 +150,16 @@ def prebuild_skip_reason(job_config, parallel_dims, device: torch.device) -> str
     return None
 
 
-# This process's side process, while it may still build (`start_fa4_prebuild` sets it, `Fa4Prebuild.close` clears it)
-_active: Fa4Prebuild | None = None
-# True in the side process (`_run`): kernel calls are announced on its standard output
-_announcing = False
-
-
-def kernel_starts(key: str) -> None:
-    """Before a flash-attn-4 kernel call whose compile key is `key` (`fa4.kernel_key`): the side process announces
-    it; a training process whose side process is building that kernel now waits for it (module docstring)."""
-    if _announcing:
-        print(KERNEL_START + key, flush=True)
-    elif _active is not None:
-        _active.wait_for_kernel(key)
-
-
-def kernel_done(key: str) -> None:
-    """After that call: the side process announces that the kernel is built (and in the cache)."""
-    if _announcing:
-        print(KERNEL_DONE + key, flush=True)
+def _announce(event: str, key: str) -> None:
+    """The side process's kernel-call watcher (`fa4.watch_kernel_calls`): one line per call's start and end."""
+    print((KERNEL_START if event == "start" else KERNEL_DONE) + key, flush=True)
 
 
 class Fa4Prebuild:
     """The running side process: its output is logged line by line (`[fa4 prebuild] ...`) from a reader thread,
-    which also follows the kernels it announces (building / built); `close()` (also at interpreter exit) stops it if
-    it still runs."""
+    which also follows the kernels it announces (building / built). Until it ends, this process's flash-attn-4 calls
+    are watched (`fa4.watch_kernel_calls`): one whose kernel the side process is building waits for it. `close()`
+    (also at interpreter exit) stops it if it still runs."""
 
     def __init__(self, plan: PrebuildPlan):
         self.plan = plan
@@ -190,7 +177,18 @@ class Fa4Prebuild:
         self._ended = False
         self._reader = threading.Thread(target=self._read, name="fa4-prebuild-log", daemon=True)
         self._reader.start()
+        fa4.watch_kernel_calls(self._on_kernel_call)
         atexit.register(self.close)
+
+    def _on_kernel_call(self, event: str, key: str) -> None:
+        if event == "start":
+            self.wait_for_kernel(key)
+
+    def _stop_watching(self) -> None:
+        """Stop watching this process's kernel calls (nothing is being built any more), if this prebuild still does."""
+        previous = fa4.watch_kernel_calls(None)
+        if previous != self._on_kernel_call:  # another watcher's: put it back
+            fa4.watch_kernel_calls(previous)
 
     def _read(self) -> None:
         for line in self.process.stdout:
@@ -208,6 +206,7 @@ class Fa4Prebuild:
         with self._changed:
             self._ended = True
             self._changed.notify_all()
+        self._stop_watching()
         if code not in (0, -15):  # -15: close() stopped it
             tail = " | ".join(self.lines[-3:])
             logger.warning(
@@ -253,9 +252,7 @@ class Fa4Prebuild:
         return code
 
     def close(self) -> None:
-        global _active
-        if _active is self:
-            _active = None
+        self._stop_watching()
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -287,9 +284,7 @@ def start_fa4_prebuild(model: torch.nn.Module, job_config, parallel_dims, device
         "flash-attn-4: building the kernels of %d attention kind(s) in a side process while the step compiles",
         len(kinds),
     )
-    global _active
-    _active = Fa4Prebuild(plan)
-    return _active
+    return Fa4Prebuild(plan)
 
 
 def document_layout(documents: int, row_tokens: int) -> tuple[int, torch.Tensor]:
@@ -305,18 +300,16 @@ def document_layout(documents: int, row_tokens: int) -> tuple[int, torch.Tensor]
 
 def _run(plan: PrebuildPlan) -> None:
     """The side process: every kind's forward, then every backward, per document layout (module docstring), each
-    kernel call announced (`kernel_starts` / `kernel_done`)."""
-    global _announcing
-    _announcing = True
+    kernel call announced (`_announce`)."""
+    previous = fa4.watch_kernel_calls(_announce)
     try:
         _run_plan(plan)
     finally:
-        _announcing = False
+        fa4.watch_kernel_calls(previous)
 
 
 def _run_plan(plan: PrebuildPlan) -> None:
     from llm_training.layers.attention.backends import build_attention_metadata
-    from llm_training.layers.attention.fa4 import fa4_attention
 
     device = torch.device(plan.device)
     on_cuda = device.type == "cuda"
@@ -339,7 +332,7 @@ def _run_plan(plan: PrebuildPlan) -> None:
             k = torch.randn(B, S, kind.n_kv_heads, kind.d_qk, device=device, dtype=dtype, generator=gen)
             v = torch.randn(B, S, kind.n_kv_heads, kind.d_v, device=device, dtype=dtype, generator=gen)
             q, k, v = (x.requires_grad_() for x in (q, k, v))
-            out, _ = fa4_attention(
+            out, _ = fa4.fa4_attention(
                 q, k, v, scale=kind.softmax_scale, window=kind.window, metadata=metadata,
                 record_max_logits=plan.max_logits,
             )  # fmt: skip
@@ -373,8 +366,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    # `python -m` runs this file as `__main__`, a second module object beside the `fa4_prebuild` that `fa4`'s kernel
-    # calls import: run in that one, where `_announcing` is read (set here, the announcements would never be made)
-    from llm_training.layers.attention import fa4_prebuild
-
-    sys.exit(fa4_prebuild.main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

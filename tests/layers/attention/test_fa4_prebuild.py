@@ -135,31 +135,25 @@ def test_side_process_runs_every_forward_then_every_backward_per_layout(monkeypa
     assert len(markers) == 2 * len(calls) and dones == [fa4_prebuild.KERNEL_DONE + key for key in keys]
     assert [key.split()[0] for key in keys] == ["forward", "forward", "backward", "backward"] * 2
     assert [key.split()[-3:] for key in keys[4:]] == [["over", str(FA4_MANY_DOCUMENTS), "documents"]] * 4
-    assert len(set(keys)) == 8 and not fa4_prebuild._announcing  # back off once the run is over
+    assert len(set(keys)) == 8 and fa4._kernel_call_watcher is None  # back off once the run is over
 
 
-def test_the_side_process_command_announces_from_the_module_the_kernel_calls_read(monkeypatch):
-    """`python -m ...fa4_prebuild PLAN` runs the file as `__main__`, a second copy of the module; the kernel calls
-    (`fa4` -> `fa4_prebuild.kernel_starts`) read `_announcing` in the imported one, so that is where the run must
-    happen, or nothing is announced (the GPU test found it)."""
-    seen = []
-    monkeypatch.setattr(fa4_prebuild, "_run_plan", lambda plan: seen.append((plan, fa4_prebuild._announcing)))
+def test_the_side_process_command_announces_its_kernel_calls(monkeypatch, capsys):
+    """`python -m ...fa4_prebuild PLAN` runs the file as `__main__`, a second copy of the module beside the one `fa4`
+    and the trainer import: its run still announces every kernel call (the GPU test found a switch that the copy set
+    and the kernel calls never read)."""
+    install_emulated_fa4(monkeypatch)
     plan = PrebuildPlan("cpu", "float32", 160, [Fa4AttentionKind(4, 2, 16, 8, None, 0.25)])
     monkeypatch.setattr(sys, "argv", ["fa4_prebuild", plan.to_json()])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module is imported already (it is, on purpose)
         with pytest.raises(SystemExit) as exited:
             runpy.run_module(fa4_prebuild.__name__, run_name="__main__")
-    assert exited.value.code == 0 and seen == [(plan, True)] and not fa4_prebuild._announcing
-
-
-class _Waits:  # what `kernel_starts` asks of the active prebuild
-    def __init__(self):
-        self.keys = []
-
-    def wait_for_kernel(self, key):
-        self.keys.append(key)
-        return True
+    lines = capsys.readouterr().out.splitlines()
+    starts = [line for line in lines if line.startswith(fa4_prebuild.KERNEL_START)]
+    dones = [line for line in lines if line.startswith(fa4_prebuild.KERNEL_DONE)]
+    assert exited.value.code == 0 and [s.split()[2] for s in starts] == ["forward", "backward"] and len(dones) == 2
+    assert fa4._kernel_call_watcher is None
 
 
 def test_training_asks_for_the_kernels_under_the_keys_the_side_process_announced(monkeypatch, capsys):
@@ -173,8 +167,8 @@ def test_training_asks_for_the_kernels_under_the_keys_the_side_process_announced
         for line in capsys.readouterr().out.splitlines()
         if line.startswith(fa4_prebuild.KERNEL_START)
     }
-    waits = _Waits()
-    monkeypatch.setattr(fa4_prebuild, "_active", waits)
+    waits = []  # the keys a training process's watcher (`Fa4Prebuild`) would wait on
+    monkeypatch.setattr(fa4, "_kernel_call_watcher", lambda event, key: event == "start" and waits.append(key))
     from llm_training.layers.attention.backends import build_attention_metadata
 
     B, S = 3, 96  # not the side process's rows
@@ -189,7 +183,7 @@ def test_training_asks_for_the_kernels_under_the_keys_the_side_process_announced
             q, k, v, scale=kind.softmax_scale, window=kind.window, metadata=meta, record_max_logits=False
         )
         out.float().sum().backward()
-    assert len(waits.keys) == 4 and set(waits.keys) == announced
+    assert len(waits) == 4 and set(waits) == announced
 
 
 _ANNOUNCER = textwrap.dedent(
@@ -218,7 +212,7 @@ def test_a_training_process_waits_only_for_a_kernel_the_side_process_is_building
 
     monkeypatch.setattr(fa4_prebuild.subprocess, "Popen", announcer)
     prebuild = Fa4Prebuild(PrebuildPlan("cpu", "bfloat16", 64, [Fa4AttentionKind(4, 2, 16, 8, None, 0.25)]))
-    monkeypatch.setattr(fa4_prebuild, "_active", prebuild)
+    assert fa4._kernel_call_watcher == prebuild._on_kernel_call  # the ops consult it while the side process runs
 
     def announced(key):
         deadline = time.monotonic() + 60
@@ -228,7 +222,7 @@ def test_a_training_process_waits_only_for_a_kernel_the_side_process_is_building
     assert prebuild.wait_for_kernel("forward other") is False and prebuild.waited == {}  # never started
     announced("forward K")
     with caplog.at_level(logging.INFO, logger=fa4_prebuild.__name__):
-        fa4_prebuild.kernel_starts("forward K")  # what the ops call: the wait
+        fa4._kernel_call_watcher("start", "forward K")  # what the ops call: the wait
     assert prebuild.kernels["forward K"] == "built" and prebuild.waited["forward K"] > 0
     assert any("waited" in r.getMessage() and "forward K kernel: it is built" in r.getMessage() for r in caplog.records)
     assert prebuild.wait_for_kernel("forward K") is True and len(prebuild.waited) == 1  # built: no second wait
@@ -241,8 +235,8 @@ def test_a_training_process_waits_only_for_a_kernel_the_side_process_is_building
     summary = prebuild.summary()  # the harness's line
     assert summary.startswith("2 kernels announced (1 built, 1 building; side process exited 3)"), summary
     assert f"waited {prebuild.waited['forward K']:.1f} s for forward K, " in summary and "backward K" in summary
+    assert fa4._kernel_call_watcher is None  # the side process ended: the ops no longer consult it
     prebuild.close()
-    assert fa4_prebuild._active is None  # closed: the ops no longer consult it
 
 
 def test_a_failed_side_process_is_logged_and_leaves_training_alone(caplog):
@@ -342,7 +336,6 @@ _WAITER = textwrap.dedent(
     plan = fa4_prebuild.PrebuildPlan.from_json(sys.argv[1])
     (kind,) = plan.kinds
     prebuild = fa4_prebuild.Fa4Prebuild(plan)
-    fa4_prebuild._active = prebuild  # what start_fa4_prebuild sets
     deadline = time.monotonic() + 240
     while not prebuild.kernels and prebuild.process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
