@@ -290,20 +290,28 @@ _CALLER = textwrap.dedent(
 )
 
 
+def _fresh_fa4_cache_env(cache_dir) -> dict[str, str]:
+    """The environment of a child process that uses flash-attn-4 with its persistent cache in `cache_dir` and imports
+    this repository (skips the test where flash-attn-4 cannot run)."""
+    reason = fa4.fa4_unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"flash-attn-4 unavailable: {reason}")
+    env = {
+        **os.environ,
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(cache_dir),
+    }
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_prebuilt_kernels_load_without_a_build_at_other_shapes(tmp_path):
     """The prebuild (2 rows of 2048 tokens) into a fresh persistent cache, then another process calling the same
     kinds at 3 rows of 4096 tokens with 3 documents each, as the training process does: flash-attn-4 builds no
     kernel for them; a kind that was not prebuilt (the control) does build, so the count is live."""
-    if fa4.fa4_unavailable_reason(torch.device("cuda")) is not None:
-        pytest.skip(f"flash-attn-4 unavailable: {fa4.fa4_unavailable_reason(torch.device('cuda'))}")
-    env = {
-        **os.environ,
-        "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
-        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(tmp_path),
-    }
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
+    env = _fresh_fa4_cache_env(tmp_path)
     kinds = [Fa4AttentionKind(16, 4, 192, 128, None, 0.07), Fa4AttentionKind(16, 4, 192, 128, 128, 0.07)]
     plan = PrebuildPlan("cuda:0", "bfloat16", 2048, kinds, max_logits=True)
     built = subprocess.run(
@@ -364,14 +372,7 @@ def test_a_kernel_the_side_process_is_building_is_waited_for_not_built(tmp_path)
     """A process starts the side process on a fresh persistent cache and, as soon as the side process announces its
     first kernel (the forward), calls that attention itself: it waits for the side process's build and loads the
     kernel, building none of its own."""
-    if fa4.fa4_unavailable_reason(torch.device("cuda")) is not None:
-        pytest.skip(f"flash-attn-4 unavailable: {fa4.fa4_unavailable_reason(torch.device('cuda'))}")
-    env = {
-        **os.environ,
-        "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
-        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(tmp_path),
-    }
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
+    env = _fresh_fa4_cache_env(tmp_path)
     plan = PrebuildPlan("cuda:0", "bfloat16", 2048, [Fa4AttentionKind(16, 4, 192, 128, None, 0.07)])
     called = subprocess.run(
         [sys.executable, "-c", _WAITER, plan.to_json()], env=env, capture_output=True, text=True, timeout=400
