@@ -8,22 +8,22 @@ has built the graph that calls attention, i.e. on top of the graph compile. Its 
 a reader checks memory, then the disk, under a file lock; a writer exports under an exclusive lock with an atomic
 rename.
 
-So, when the step is compiled, the trainer's local rank 0 starts `python -m llm_training.layers.attention.fa4_prebuild
-PLAN` as soon as the model is built on the meta device (`build_components`' `on_model_built`), before it is
-parallelized, materialised and given its optimizer state: those seconds count towards the side process's head start
-(one H100, session 22: started after them, the side process lost the race for the forward kernel of one of two
-harness cases, 2.5 s of CuTe build in the training process). That process runs every kind of attention the model
-sends to flash-attn-4 once, forward and backward, through the same `fa4_attention` the layers call, and exits; the
-kernels land in the cache while the training process traces and compiles its graphs, and its first attention call
-loads them (no build) instead of compiling. A kernel the side process has not finished when training needs it is
-built by the training process too (the first export wins, the second is skipped), unless the side process is
-building that very kernel at that moment: `fa4`'s ops tell a watcher (`fa4.watch_kernel_calls`) of every
-flash-attn-4 call's start and end, with the call's compile key (`fa4.kernel_key`); the side process's watcher
-announces them on its output, and the training process's (`Fa4Prebuild`, while the side process runs) waits for a
-kernel the side process has started (`Fa4Prebuild.wait_for_kernel`), since the rest of a build already under way
-takes less than a build of its own. On
-the H200 of session 27 the training process lost that race for one or two forward kernels in three of four harness
-runs and built them itself (3.1-8.2 s of the first step). A kernel the side process has not started, or one it
+So, when the step is compiled, the trainer's local rank 0 starts `python -m
+llm_training.layers.attention.fa4_prebuild PLAN` as soon as the model is built on the meta device
+(`build_components`' `on_model_built`), before it is parallelized, materialised and given its optimizer state: those
+seconds count towards the side process's head start (one H100, session 22: started after them, the side process lost
+the race for the forward kernel of one of two harness cases, 2.5 s of CuTe build in the training process). That
+process runs every kind of attention the model sends to flash-attn-4 once, forward and backward, through the same
+`fa4_attention` the layers call, and exits; the kernels land in the cache while the training process traces and
+compiles its graphs, and its first attention call loads them (no build) instead of compiling. A kernel the side
+process has not finished when training needs it is built by the training process too (the first export wins, the
+second is skipped), unless the side process is building that very kernel at that moment: `fa4`'s ops tell a watcher
+(`fa4.watch_kernel_calls`) of every flash-attn-4 call's start and end, with the call's compile key
+(`fa4.kernel_key`); the side process's watcher announces them on its output, and the training process's
+(`Fa4Prebuild`, while the side process runs) waits for a kernel the side process has started
+(`Fa4Prebuild.wait_for_kernel`), since the rest of a build already under way takes less than a build of its own. (Before
+the wait, on the H200 of session 27, the training process lost that race for one or two forward kernels in three of
+four harness runs and built them itself: 3.1-8.2 s of the first step.) A kernel the side process has not started, or one it
 failed, the training process builds at once; its failure only costs the time it would have saved (a warning says
 why). Only the process that started the side process (local rank 0) hears it; the node's other ranks load what the
 cache holds when they get there and build the rest.
