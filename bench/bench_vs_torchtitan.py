@@ -651,6 +651,7 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
     """The printed table: one line per case (FAIL lines give the reason), then the ours/torchtitan ratios."""
     from stack_sampler import format_samples
 
+    from llm_training.distributed.compile import format_compile_by_frame
     from llm_training.trainer.memory_peak import format_peak_breakdown
 
     head = (f"{'case':<36}{'tok/step':>9}{'ms/step':>9}{'tok/s':>9}{'TF/s ours':>10}{'MFU ours':>9}"
@@ -677,6 +678,9 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
     for r in rows:
         if "error" not in r and r.get("compile_time_s"):
             lines.append(f"{r['case']:<36}first step {first_step_breakdown(r)}")
+            if r.get("compile_by_frame"):
+                by_frame = format_compile_by_frame(r["compile_by_frame"])
+                lines.append(f"{r['case']:<36}compile by frame, forward + backward: {by_frame}")
             slowest = (r.get("first_step_jit") or {}).get("slowest", [])[:5]
             if slowest:
                 builds = ", ".join(f"{e['s']:.1f} s {e['kernel'][:48]}" for e in slowest)

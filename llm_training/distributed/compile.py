@@ -161,6 +161,7 @@ def reset_compile_stats() -> None:
     """Forget everything dynamo compiled and counted (`torch._dynamo.reset()`): the start of a measurement."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    torch._dynamo.utils.clear_compilation_metrics()
 
 
 # compile phases of `torch._dynamo.utils.compilation_time_metrics` worth reporting, as (label, metric name): the
@@ -185,6 +186,52 @@ def compile_time_breakdown() -> dict[str, float]:
     from torch._dynamo.utils import compilation_time_metrics
 
     return {label: round(sum(compilation_time_metrics.get(name, ())), 2) for label, name in _COMPILE_PHASES}
+
+
+def compile_by_frame() -> list[dict]:
+    """Each frame compile since the last `reset_compile_stats` (dynamo's compilation metrics), slowest first: the
+    function (`frame`: name, file:line, dynamo's compile id "frame/recompile"), its FX ops, the forward compile's
+    seconds (`forward_s`) split into dynamo's own tracing (`dynamo_s`) and the backend's AOT autograd + inductor
+    (`backend_s`, of it the Triton kernel builds, `triton_s`), and the backward graph's compile (`backward_s`, done
+    at the first backward). Which block kind the compile time goes to, where the phase totals
+    (`compile_time_breakdown`) only sum over all of them."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    frames: dict[str, dict] = {}
+    for m in get_compilation_metrics():
+        if m.compile_id is None:
+            continue
+        entry = frames.setdefault(
+            m.compile_id, {"frame": None, "ops": None, "forward_s": 0.0, "dynamo_s": 0.0, "backend_s": 0.0,
+                           "triton_s": 0.0, "backward_s": 0.0},
+        )  # fmt: skip
+        triton_s = (m.triton_compile_time_us or 0) / 1e6
+        if m.is_forward is False:  # the backward graph's compile, under its forward's compile id
+            entry["backward_s"] += (m.duration_us or 0) / 1e6
+            entry["triton_s"] += triton_s
+            continue
+        where = f"{os.path.basename(m.co_filename or '?')}:{m.co_firstlineno}"
+        entry["frame"] = f"{m.co_name} ({where}) {m.compile_id}"
+        entry["ops"] = m.graph_op_count
+        entry["forward_s"] += m.entire_frame_compile_time_s or 0.0
+        entry["backend_s"] += m.backend_compile_time_s or 0.0
+        entry["dynamo_s"] = entry["forward_s"] - entry["backend_s"]
+        entry["triton_s"] += triton_s
+    rows = [{k: round(v, 2) if isinstance(v, float) else v for k, v in e.items()} for e in frames.values()]
+    return sorted((r for r in rows if r["frame"] is not None), key=lambda r: -(r["forward_s"] + r["backward_s"]))
+
+
+def format_compile_by_frame(frames: list[dict], limit: int = 4) -> str:
+    """`compile_by_frame()`'s `limit` slowest frames on one line (the rest summed)."""
+    parts = [
+        f"{f['frame']} {f['forward_s']:.1f} + {f['backward_s']:.1f} s ({f['ops']} ops; dynamo {f['dynamo_s']:.1f}, "
+        f"AOT + inductor {f['backend_s']:.1f}, Triton {f['triton_s']:.1f})"
+        for f in frames[:limit]
+    ]
+    rest = frames[limit:]
+    if rest:
+        parts.append(f"{len(rest)} more {sum(f['forward_s'] + f['backward_s'] for f in rest):.1f} s")
+    return "; ".join(parts)
 
 
 @contextlib.contextmanager
@@ -230,6 +277,7 @@ def compile_stats(max_reasons: int = 8) -> dict:
         "recompiles": int(sum(max(n - 1, 0) for n in compiles_per_frame.values())),
         "guard_failures": reasons[:max_reasons],
         "compile_time_s": compile_time_breakdown(),
+        "compile_by_frame": compile_by_frame(),
         "graph_break_reasons": [
             f"{n}x {' '.join(reason.split())[:300]}"
             for reason, n in utils.counters["graph_break"].most_common(max_reasons)
@@ -265,6 +313,8 @@ def compile_report(stats: dict, blocks_in_pieces: int = 0) -> tuple[str, str | N
         f"({stats['recompiles']} recompiles), {stats['graph_breaks']} graph breaks; forward compile "
         f"{times['total_forward_s']:.1f} s, backward {times['total_backward_s']:.1f} s"
     )
+    if stats.get("compile_by_frame"):
+        line += f"; by frame, forward + backward: {format_compile_by_frame(stats['compile_by_frame'])}"
     reasons = "; ".join(stats["graph_break_reasons"]) or "none recorded"
     if stats["unique_graphs"] == 0:
         problem = "compiled no graph: the blocks ran eagerly"

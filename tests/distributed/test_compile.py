@@ -316,6 +316,45 @@ def test_compile_stats_count_a_recompile_and_its_reason():
     assert any("scale == 1" in r for r in stats["guard_failures"]), stats
 
 
+def test_compile_time_is_split_by_frame_with_its_backward():
+    """Two kinds of block compiled by inductor on the CPU: one entry per frame compile (the second kind is a
+    recompile of the same code), each with its forward's seconds split into dynamo and the backend, and the
+    backward graph's compile (at the first backward) under its forward's compile id; slowest first; the report's
+    line names them."""
+    from llm_training.distributed.compile import compile_by_frame, compile_report
+
+    class Gated(torch.nn.Module):
+        def __init__(self, gate: bool):
+            super().__init__()
+            self.lin, self.gate = torch.nn.Linear(8, 8), gate
+
+        def forward(self, x):
+            y = self.lin(x)
+            return torch.sigmoid(y) * y if self.gate else torch.relu(y)
+
+    reset_compile_stats()
+    mods = [Gated(True), Gated(False)]
+    apply_compile(mods, backend="inductor")
+    x = torch.randn(2, 8, requires_grad=True)
+    for m in mods:
+        x = m(x)
+    x.sum().backward()
+    frames = compile_by_frame()
+    assert sorted(f["frame"].rsplit(" ", 1)[1] for f in frames) == ["0/0", "0/1"], frames
+    for f in frames:
+        assert f["frame"].startswith("forward (test_compile.py:") and f["ops"] >= 2, f
+        assert f["forward_s"] > 0 and f["backward_s"] > 0 and f["backend_s"] > 0, f
+        assert abs(f["dynamo_s"] + f["backend_s"] - f["forward_s"]) <= 0.02, f
+    totals = [f["forward_s"] + f["backward_s"] for f in frames]
+    assert totals == sorted(totals, reverse=True)
+    stats = compile_stats()
+    assert stats["compile_by_frame"] == frames
+    line, _ = compile_report(stats)
+    assert "; by frame, forward + backward: forward (test_compile.py:" in line and " ops; dynamo " in line
+    reset_compile_stats()
+    assert compile_by_frame() == []
+
+
 def test_compile_stats_name_the_graph_break_reason():
     class Breaks(torch.nn.Module):
         def forward(self, x):
