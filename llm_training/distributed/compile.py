@@ -193,8 +193,8 @@ def compile_by_frame() -> list[dict]:
     function (`frame`: name, file:line, dynamo's compile id "frame/recompile"), its FX ops, the forward compile's
     seconds (`forward_s`) split into dynamo's own tracing (`dynamo_s`) and the backend's AOT autograd + inductor
     (`backend_s`, of it the Triton kernel builds, `triton_s`), and the backward graph's compile (`backward_s`, done
-    at the first backward). Which block kind the compile time goes to, where the phase totals
-    (`compile_time_breakdown`) only sum over all of them."""
+    at the first backward; 0 where AOT autograd's cache served both graphs). Which block kind the compile time goes
+    to, where the phase totals (`compile_time_breakdown`) only sum over all of them."""
     from torch._dynamo.utils import get_compilation_metrics
 
     frames: dict[str, dict] = {}
@@ -217,7 +217,8 @@ def compile_by_frame() -> list[dict]:
         entry["backend_s"] += m.backend_compile_time_s or 0.0
         entry["dynamo_s"] = entry["forward_s"] - entry["backend_s"]
         entry["triton_s"] += triton_s
-    rows = [{k: round(v, 2) if isinstance(v, float) else v for k, v in e.items()} for e in frames.values()]
+    # Microseconds kept: a backward served from inductor's cache compiles in milliseconds, not zero.
+    rows = [{k: round(v, 6) if isinstance(v, float) else v for k, v in e.items()} for e in frames.values()]
     return sorted((r for r in rows if r["frame"] is not None), key=lambda r: -(r["forward_s"] + r["backward_s"]))
 
 

@@ -336,15 +336,17 @@ def test_compile_time_is_split_by_frame_with_its_backward():
     mods = [Gated(True), Gated(False)]
     apply_compile(mods, backend="inductor")
     x = torch.randn(2, 8, requires_grad=True)
-    for m in mods:
-        x = m(x)
-    x.sum().backward()
+    # Caches off: a cache hit loads the backward with its forward, so no backward compile would be recorded.
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        for m in mods:
+            x = m(x)
+        x.sum().backward()
     frames = compile_by_frame()
     assert sorted(f["frame"].rsplit(" ", 1)[1] for f in frames) == ["0/0", "0/1"], frames
     for f in frames:
         assert f["frame"].startswith("forward (test_compile.py:") and f["ops"] >= 2, f
         assert f["forward_s"] > 0 and f["backward_s"] > 0 and f["backend_s"] > 0, f
-        assert abs(f["dynamo_s"] + f["backend_s"] - f["forward_s"]) <= 0.02, f
+        assert abs(f["dynamo_s"] + f["backend_s"] - f["forward_s"]) <= 3e-6, f  # three values rounded to 1 us
     totals = [f["forward_s"] + f["backward_s"] for f in frames]
     assert totals == sorted(totals, reverse=True)
     stats = compile_stats()
