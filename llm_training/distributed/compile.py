@@ -205,18 +205,22 @@ def compile_by_frame() -> list[dict]:
             m.compile_id, {"frame": None, "ops": None, "forward_s": 0.0, "dynamo_s": 0.0, "backend_s": 0.0,
                            "triton_s": 0.0, "backward_s": 0.0},
         )  # fmt: skip
-        triton_s = (m.triton_compile_time_us or 0) / 1e6
-        if m.is_forward is False:  # the backward graph's compile, under its forward's compile id
-            entry["backward_s"] += (m.duration_us or 0) / 1e6
-            entry["triton_s"] += triton_s
-            continue
-        where = f"{os.path.basename(m.co_filename or '?')}:{m.co_firstlineno}"
-        entry["frame"] = f"{m.co_name} ({where}) {m.compile_id}"
-        entry["ops"] = m.graph_op_count
-        entry["forward_s"] += m.entire_frame_compile_time_s or 0.0
-        entry["backend_s"] += m.backend_compile_time_s or 0.0
-        entry["dynamo_s"] = entry["forward_s"] - entry["backend_s"]
+        seconds, triton_s = (m.duration_us or 0) / 1e6, (m.triton_compile_time_us or 0) / 1e6
         entry["triton_s"] += triton_s
+        if m.is_forward is False:  # the backward graph's compile, under its forward's compile id
+            entry["backward_s"] += seconds
+        elif m.entire_frame_compile_time_s is None:
+            # A forward-graph event without the frame's fields (torch 2.11 on CUDA records one after each frame
+            # compile, tens of ms): backend work, counted in the forward.
+            entry["forward_s"] += seconds
+            entry["backend_s"] += seconds
+        else:  # the frame compile: dynamo's tracing and, inside it, the backend's compile of the forward
+            where = f"{os.path.basename(m.co_filename or '?')}:{m.co_firstlineno}"
+            entry["frame"] = f"{m.co_name} ({where}) {m.compile_id}"
+            entry["ops"] = m.graph_op_count
+            entry["forward_s"] += m.entire_frame_compile_time_s
+            entry["backend_s"] += m.backend_compile_time_s or 0.0
+            entry["dynamo_s"] += m.entire_frame_compile_time_s - (m.backend_compile_time_s or 0.0)
     # Microseconds kept: a backward served from inductor's cache compiles in milliseconds, not zero.
     rows = [{k: round(v, 6) if isinstance(v, float) else v for k, v in e.items()} for e in frames.values()]
     return sorted((r for r in rows if r["frame"] is not None), key=lambda r: -(r["forward_s"] + r["backward_s"]))

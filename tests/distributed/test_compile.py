@@ -357,6 +357,42 @@ def test_compile_time_is_split_by_frame_with_its_backward():
     assert compile_by_frame() == []
 
 
+def test_compile_by_frame_reads_torch_2_11s_records_on_cuda(monkeypatch):
+    """The records torch 2.11 keeps on CUDA for two checkpointed blocks (H100, 2026-12-06): after each frame compile a
+    second forward record without the frame's fields, and two records per backward. The frame keeps its name and ops,
+    the extra forward record counts as backend work, and both backward records count."""
+    from types import SimpleNamespace
+
+    from llm_training.distributed import compile as compile_module
+
+    def record(compile_id, is_forward, duration_us, frame=None):
+        fields = dict(co_name=None, co_filename=None, co_firstlineno=None, graph_op_count=None,
+                      entire_frame_compile_time_s=None, backend_compile_time_s=None)  # fmt: skip
+        if frame is not None:
+            entire_s, backend_s = frame
+            fields.update(co_name="forward", co_filename="/x/block.py", co_firstlineno=6, graph_op_count=2,
+                          entire_frame_compile_time_s=entire_s, backend_compile_time_s=backend_s)  # fmt: skip
+        return SimpleNamespace(compile_id=compile_id, is_forward=is_forward, duration_us=duration_us,
+                               triton_compile_time_us=None, **fields)  # fmt: skip
+
+    records = [
+        record("0/0", True, 1662786, frame=(1.662786, 1.509081)),
+        record("0/0", True, 44414),
+        record("0/1", True, 262703, frame=(0.262703, 0.217741)),
+        record("0/1", True, 37893),
+        record("0/1", False, 229344),
+        record("0/1", False, 12816),
+        record("0/0", False, 202223),
+        record("0/0", False, 10310),
+    ]
+    monkeypatch.setattr("torch._dynamo.utils.get_compilation_metrics", lambda: records)
+    first, second = compile_module.compile_by_frame()
+    assert first == {"frame": "forward (block.py:6) 0/0", "ops": 2, "forward_s": 1.7072, "dynamo_s": 0.153705,
+                     "backend_s": 1.553495, "triton_s": 0.0, "backward_s": 0.212533}  # fmt: skip
+    assert second["frame"] == "forward (block.py:6) 0/1" and second["ops"] == 2
+    assert second["forward_s"] == 0.300596 and second["backward_s"] == 0.24216
+
+
 def test_compile_stats_name_the_graph_break_reason():
     class Breaks(torch.nn.Module):
         def forward(self, x):
