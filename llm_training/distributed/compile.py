@@ -16,6 +16,7 @@ block of a flavor, so a deep model never falls back to eager silently.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 import time
@@ -192,9 +193,11 @@ def compile_by_frame() -> list[dict]:
     """Each frame compile since the last `reset_compile_stats` (dynamo's compilation metrics), slowest first: the
     function (`frame`: name, file:line, dynamo's compile id "frame/recompile"), its FX ops, the forward compile's
     seconds (`forward_s`) split into dynamo's own tracing (`dynamo_s`) and the backend's AOT autograd + inductor
-    (`backend_s`, of it the Triton kernel builds, `triton_s`), and the backward graph's compile (`backward_s`, done
-    at the first backward; 0 where AOT autograd's cache served both graphs). Which block kind the compile time goes
-    to, where the phase totals (`compile_time_breakdown`) only sum over all of them."""
+    (`backend_s`), the backward graph's compile (`backward_s`, done at the first backward; 0 where AOT autograd's
+    cache served both graphs), the Triton kernels those compiles built (`kernels`, and their build seconds,
+    `triton_s`), and what torch records at the graphs' first runs rather than at their compiles (`first_run_s`,
+    forward and backward: Triton autotuning). Which block kind the compile time goes to, where the phase totals
+    (`compile_time_breakdown`) only sum over all of them."""
     from torch._dynamo.utils import get_compilation_metrics
 
     frames: dict[str, dict] = {}
@@ -203,24 +206,22 @@ def compile_by_frame() -> list[dict]:
             continue
         entry = frames.setdefault(
             m.compile_id, {"frame": None, "ops": None, "forward_s": 0.0, "dynamo_s": 0.0, "backend_s": 0.0,
-                           "triton_s": 0.0, "backward_s": 0.0},
+                           "backward_s": 0.0, "kernels": 0, "triton_s": 0.0, "first_run_s": 0.0},
         )  # fmt: skip
-        seconds, triton_s = (m.duration_us or 0) / 1e6, (m.triton_compile_time_us or 0) / 1e6
-        entry["triton_s"] += triton_s
-        if m.is_forward is False:  # the backward graph's compile, under its forward's compile id
+        seconds = (m.duration_us or 0) / 1e6
+        entry["triton_s"] += (m.triton_compile_time_us or 0) / 1e6
+        entry["kernels"] += len(json.loads(m.triton_kernel_compile_times_us or "[]"))  # [[name, us], ...]
+        if m.is_runtime:  # a compiled graph's first run
+            entry["first_run_s"] += seconds
+        elif m.is_forward is False:  # the backward graph's compile, under its forward's compile id
             entry["backward_s"] += seconds
-        elif m.entire_frame_compile_time_s is None:
-            # A forward-graph event without the frame's fields (torch 2.11 on CUDA records one after each frame
-            # compile, tens of ms): backend work, counted in the forward.
-            entry["forward_s"] += seconds
-            entry["backend_s"] += seconds
-        else:  # the frame compile: dynamo's tracing and, inside it, the backend's compile of the forward
+        else:  # the frame: dynamo's tracing and, inside it, the backend's compile of the forward graph
             where = f"{os.path.basename(m.co_filename or '?')}:{m.co_firstlineno}"
             entry["frame"] = f"{m.co_name} ({where}) {m.compile_id}"
             entry["ops"] = m.graph_op_count
-            entry["forward_s"] += m.entire_frame_compile_time_s
+            entry["forward_s"] += m.entire_frame_compile_time_s or 0.0
             entry["backend_s"] += m.backend_compile_time_s or 0.0
-            entry["dynamo_s"] += m.entire_frame_compile_time_s - (m.backend_compile_time_s or 0.0)
+            entry["dynamo_s"] += (m.entire_frame_compile_time_s or 0.0) - (m.backend_compile_time_s or 0.0)
     # Microseconds kept: a backward served from inductor's cache compiles in milliseconds, not zero.
     rows = [{k: round(v, 6) if isinstance(v, float) else v for k, v in e.items()} for e in frames.values()]
     return sorted((r for r in rows if r["frame"] is not None), key=lambda r: -(r["forward_s"] + r["backward_s"]))
@@ -230,7 +231,8 @@ def format_compile_by_frame(frames: list[dict], limit: int = 4) -> str:
     """`compile_by_frame()`'s `limit` slowest frames on one line (the rest summed)."""
     parts = [
         f"{f['frame']} {f['forward_s']:.1f} + {f['backward_s']:.1f} s ({f['ops']} ops; dynamo {f['dynamo_s']:.1f}, "
-        f"AOT + inductor {f['backend_s']:.1f}, Triton {f['triton_s']:.1f})"
+        f"AOT + inductor {f['backend_s']:.1f}; {f['kernels']} Triton kernels {f['triton_s']:.1f} s; first runs "
+        f"{f['first_run_s']:.1f} s)"
         for f in frames[:limit]
     ]
     rest = frames[limit:]

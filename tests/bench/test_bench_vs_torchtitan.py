@@ -120,7 +120,7 @@ def test_ratios_and_table_pair_each_of_our_rows_with_torchtitan_in_its_group():
 def test_the_table_splits_the_compile_by_frame_and_says_what_each_prebuild_did_after_the_first_step_line():
     triton, fa4 = "21 kernel builds handed to 4 workers", "6 kernels announced (6 built, 0 building; exited 0)"
     frame = {"frame": "ffn_sublayer (model.py:90) 1/0", "ops": 900, "forward_s": 9.0, "dynamo_s": 2.5,
-             "backend_s": 6.5, "triton_s": 1.25, "backward_s": 3.0}  # fmt: skip
+             "backend_s": 6.5, "backward_s": 3.0, "kernels": 40, "triton_s": 1.25, "first_run_s": 0.75}  # fmt: skip
     row = _row("ours", "accum", 30000.0, 300.0, 350.0, compile_time_s={"total_forward_s": 20.0},
                triton_prebuild_summary=triton, fa4_prebuild_summary=fa4, compile_by_frame=[frame])  # fmt: skip
     lines = bvt.format_table([row], []).splitlines()
@@ -128,7 +128,7 @@ def test_the_table_splits_the_compile_by_frame_and_says_what_each_prebuild_did_a
     first = next(i for i, line in enumerate(lines) if line.startswith(case + "first step 61.0 s"))
     assert lines[first + 1 : first + 4] == [
         case + "compile by frame, forward + backward: ffn_sublayer (model.py:90) 1/0 9.0 + 3.0 s (900 ops; dynamo 2.5, "
-        "AOT + inductor 6.5, Triton 1.2)",
+        "AOT + inductor 6.5; 40 Triton kernels 1.2 s; first runs 0.8 s)",
         case + "Triton prebuild: " + triton,
         case + "flash-attn-4 prebuild: " + fa4,
     ]

@@ -2,6 +2,7 @@
 computes the eager model's loss and gradients."""
 
 import copy
+import json
 import os
 import time
 
@@ -358,39 +359,41 @@ def test_compile_time_is_split_by_frame_with_its_backward():
 
 
 def test_compile_by_frame_reads_torch_2_11s_records_on_cuda(monkeypatch):
-    """The records torch 2.11 keeps on CUDA for two checkpointed blocks (H100, 2026-12-06): after each frame compile a
-    second forward record without the frame's fields, and two records per backward. The frame keeps its name and ops,
-    the extra forward record counts as backend work, and both backward records count."""
+    """The records torch 2.11 kept on CUDA for two blocks, one a recompile of the other (H100, 2026-12-06): per
+    frame a compile record with the frame's fields and the Triton kernels it built, a backward compile record, and
+    "runtime" records (the graph's first run: Triton autotuning) without the frame's fields. The frame keeps its name
+    and ops, each kind of record goes to its own field, and the kernels are counted over forward and backward."""
     from types import SimpleNamespace
 
     from llm_training.distributed import compile as compile_module
 
-    def record(compile_id, is_forward, duration_us, frame=None):
+    def record(compile_id, is_forward, duration_us, is_runtime=False, frame=None, kernels_us=()):
         fields = dict(co_name=None, co_filename=None, co_firstlineno=None, graph_op_count=None,
                       entire_frame_compile_time_s=None, backend_compile_time_s=None)  # fmt: skip
         if frame is not None:
-            entire_s, backend_s = frame
-            fields.update(co_name="forward", co_filename="/x/block.py", co_firstlineno=6, graph_op_count=2,
+            ops, entire_s, backend_s = frame
+            fields.update(co_name="forward", co_filename="/x/block.py", co_firstlineno=6, graph_op_count=ops,
                           entire_frame_compile_time_s=entire_s, backend_compile_time_s=backend_s)  # fmt: skip
-        return SimpleNamespace(compile_id=compile_id, is_forward=is_forward, duration_us=duration_us,
-                               triton_compile_time_us=None, **fields)  # fmt: skip
+        built = json.dumps([[f"triton_kernel_{i}", us] for i, us in enumerate(kernels_us)]) if kernels_us else None
+        return SimpleNamespace(compile_id=compile_id, is_forward=is_forward, is_runtime=is_runtime,
+                               duration_us=duration_us, triton_compile_time_us=sum(kernels_us) or None,
+                               triton_kernel_compile_times_us=built, **fields)  # fmt: skip
 
     records = [
-        record("0/0", True, 1662786, frame=(1.662786, 1.509081)),
-        record("0/0", True, 44414),
-        record("0/1", True, 262703, frame=(0.262703, 0.217741)),
-        record("0/1", True, 37893),
-        record("0/1", False, 229344),
-        record("0/1", False, 12816),
-        record("0/0", False, 202223),
-        record("0/0", False, 10310),
+        record("0/0", True, 3336096, frame=(5, 3.336096, 3.100909), kernels_us=(374088,)),
+        record("0/1", True, 377997, frame=(3, 0.377997, 0.318279), kernels_us=(96476,)),
+        record("0/1", False, 312578, kernels_us=(101327, 62129, 55247)),
+        record("0/1", False, 10761, is_runtime=True),
+        record("0/0", False, 327112, kernels_us=(149306, 60421)),
+        record("0/0", True, 44414, is_runtime=True),
     ]
     monkeypatch.setattr("torch._dynamo.utils.get_compilation_metrics", lambda: records)
     first, second = compile_module.compile_by_frame()
-    assert first == {"frame": "forward (block.py:6) 0/0", "ops": 2, "forward_s": 1.7072, "dynamo_s": 0.153705,
-                     "backend_s": 1.553495, "triton_s": 0.0, "backward_s": 0.212533}  # fmt: skip
-    assert second["frame"] == "forward (block.py:6) 0/1" and second["ops"] == 2
-    assert second["forward_s"] == 0.300596 and second["backward_s"] == 0.24216
+    assert first == {"frame": "forward (block.py:6) 0/0", "ops": 5, "forward_s": 3.336096, "dynamo_s": 0.235187,
+                     "backend_s": 3.100909, "backward_s": 0.327112, "kernels": 3, "triton_s": 0.583815,
+                     "first_run_s": 0.044414}  # fmt: skip
+    assert second["frame"] == "forward (block.py:6) 0/1" and (second["ops"], second["kernels"]) == (3, 4)
+    assert (second["forward_s"], second["backward_s"], second["first_run_s"]) == (0.377997, 0.312578, 0.010761)
 
 
 def test_compile_stats_name_the_graph_break_reason():
