@@ -359,8 +359,8 @@ def test_compile_time_is_split_by_frame_with_its_backward():
 
 
 def test_compile_by_frame_reads_torch_2_11s_records_on_cuda(monkeypatch):
-    """The records torch 2.11 kept on CUDA for two blocks, one a recompile of the other (H100, 2026-12-06): per
-    frame a compile record with the frame's fields and the Triton kernels it built, a backward compile record, and
+    """Records as torch 2.11 keeps them on CUDA for two blocks, one a recompile of the other (the values two H100
+    probes printed, 2026-12-06): per frame a compile record with the frame's fields and the Triton kernels it built, a backward compile record, and
     "runtime" records (the graph's first run: Triton autotuning) without the frame's fields. The frame keeps its name
     and ops, each kind of record goes to its own field, and the kernels are counted over forward and backward."""
     from types import SimpleNamespace
