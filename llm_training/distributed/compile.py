@@ -194,10 +194,10 @@ def compile_by_frame() -> list[dict]:
     function (`frame`: name, file:line, dynamo's compile id "frame/recompile"), its FX ops, the forward compile's
     seconds (`forward_s`) split into dynamo's own tracing (`dynamo_s`) and the backend's AOT autograd + inductor
     (`backend_s`), the backward graph's compile (`backward_s`, done at the first backward; 0 where AOT autograd's
-    cache served both graphs), the Triton kernels those compiles built (`kernels`, and their build seconds,
-    `triton_s`), and what torch records at the graphs' first runs rather than at their compiles (`first_run_s`,
-    forward and backward: Triton autotuning). Which block kind the compile time goes to, where the phase totals
-    (`compile_time_breakdown`) only sum over all of them."""
+    cache served both graphs), the Triton kernels those compiles built (`kernels`; `triton_s`, torch's Triton
+    compile seconds, which on the CPU count a few ms with no kernel), and what torch records at the graphs' first
+    runs rather than at their compiles (`first_run_s`, forward and backward: Triton autotuning). Which block kind
+    the compile time goes to, where the phase totals (`compile_time_breakdown`) only sum over all of them."""
     from torch._dynamo.utils import get_compilation_metrics
 
     frames: dict[str, dict] = {}
