@@ -9,17 +9,41 @@ import torch
 torch.set_num_threads(1)
 
 
+import os
 import socket
 
 import pytest
 
 
+# MASTER_PORT blocks, one per pytest-xdist worker, below Linux's ephemeral range (32768-60999 by default). A port
+# the kernel hands out as ephemeral, even one that was free a moment ago, can be taken by any outgoing connection
+# before rank 0 binds it (gloo's own connections, another worker's): a fresh-clone CI run failed a two-rank test
+# on EADDRINUSE that way (2026-12-06). Below that range only an explicit bind takes a port.
+_PORT_BLOCK_START, _PORT_BLOCK_SIZE = 20000, 1000
+_ports_handed_out: set[int] = set()
+
+
+def _port_block() -> range:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # gw0, gw1, ... under xdist
+    start = _PORT_BLOCK_START + _PORT_BLOCK_SIZE * int(worker.removeprefix("gw"))
+    return range(start, start + _PORT_BLOCK_SIZE)
+
+
 @pytest.fixture
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago: MASTER_PORT for multi-process tests."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 for MASTER_PORT in multi-process tests: from this xdist worker's own block below the
+    ephemeral range, bindable now and not handed to an earlier test of this process."""
+    for port in _port_block():
+        if port in _ports_handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ports_handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port left in {_port_block()} (conftest.free_port)")
 
 
 @pytest.fixture(autouse=True)
