@@ -446,6 +446,7 @@ def run_worker(case: Case) -> dict:
         "step_times_ms": [t * 1e3 for t in timed["times_s"]], "peak_bf16_tflops": peak / 1e12 if peak else None,
         **peak_memory_gib(device), **compile_stats(), "first_step_jit": jit.summary(),
         "later_compiled_frames": timed["later_compiled_frames"], "compile_pool_ready_at_first_step": pool_ready,
+        "compile_records": compile_records(),
         **({"first_step_samples": first_step_samples} if first_step_samples else {}),
         **{k: v for k, v in timed.items() if k.endswith("_after_step")},
     }  # fmt: skip
@@ -461,6 +462,28 @@ def run_worker(case: Case) -> dict:
     if case.profile_steps and device.type == "cuda":
         row["profile_groups"], row["profile_top_kernels"] = profile_kernel_groups(step, next_step, case.profile_steps)
     return row
+
+
+# The fields of torch's compilation records (`torch._dynamo.utils.get_compilation_metrics`) that the JSON keeps raw,
+# one entry per record: which graph (compile id, direction, first run or compile), and the parts of its compile time
+# that `compile_by_frame` does not split out (AOT autograd, inductor, its code generation and module load, i.e. the
+# wait for the graph's Triton kernels, compile-time autotuning, garbage collection, each Triton kernel's build).
+COMPILE_RECORD_FIELDS = (
+    "compile_id", "is_forward", "is_runtime", "co_name", "co_firstlineno", "duration_us", "graph_op_count",
+    "graph_node_count", "ir_count", "entire_frame_compile_time_s", "backend_compile_time_s",
+    "aot_autograd_cumulative_compile_time_us", "inductor_cumulative_compile_time_us",
+    "inductor_code_gen_cumulative_compile_time_us", "compile_time_autotune_time_us", "runtime_triton_autotune_time_us",
+    "joint_graph_pass_time_us", "post_grad_pass_time_us", "gc_time_us", "triton_compile_time_us",
+    "triton_kernel_compile_times_us",
+)  # fmt: skip
+
+
+def compile_records() -> list[dict]:
+    """Every compilation record since the last reset, `COMPILE_RECORD_FIELDS` of each (None where torch left it
+    empty), in the order torch kept them: the raw material for splitting one graph's compile further."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    return [{f: getattr(m, f, None) for f in COMPILE_RECORD_FIELDS} for m in get_compilation_metrics()]
 
 
 def compile_pool_ready() -> bool | None:

@@ -186,6 +186,13 @@ def test_tiny_end_to_end_run_writes_rows_and_ratios(tmp_path):
         samples = row["first_step_samples"]  # the first step's sampled seconds add up to the first step
         assert abs(sum(samples["by_phase_s"].values()) - samples["wall_s"]) < 0.05
         assert 0.9 * samples["wall_s"] < row["first_step_s"] < samples["wall_s"] + 5.0
+        # torch's raw compilation records, one per compile: every frame of the split is among them, with its ops
+        records = row["compile_records"]
+        assert row["compile_by_frame"] or row["group"] == "eager", row["compile_by_frame"]
+        assert records and all(set(r) == set(bvt.COMPILE_RECORD_FIELDS) for r in records)
+        for frame in row["compile_by_frame"]:
+            mine = [r for r in records if r["compile_id"] == frame["frame"].rsplit(" ", 1)[1]]
+            assert any(r["is_forward"] and r["graph_op_count"] == frame["ops"] for r in mine), (frame, mine)
     table = bvt.format_table(result["rows"], result["ratios"])
     assert "first step sampled: its memory figures are not the program's own" in table
     assert "sampled " in table and "other, under: " in table
