@@ -486,6 +486,51 @@ def compile_records() -> list[dict]:
     return [{f: getattr(m, f, None) for f in COMPILE_RECORD_FIELDS} for m in get_compilation_metrics()]
 
 
+def _seconds(record: dict, field: str) -> float:
+    """A microsecond field of a compile record in seconds (absent: 0)."""
+    return (record[field] or 0) / 1e6
+
+
+def compile_graph_split(records: list[dict]) -> list[dict]:
+    """One row per compile from `compile_records`, slowest first: a frame's forward (with dynamo's tracing; all the
+    frame's graphs where it breaks) or one graph's backward. Each row has the compile id and frame name, the
+    direction, the compile's seconds in all, AOT autograd's own part (the forward's joint
+    trace and partition: backend seconds less inductor's), inductor's graph work (post-grad passes, lowering,
+    scheduling: inductor less code generation), its code generation and module load (the load waits for the graph's
+    Triton kernels), compile-time autotuning, garbage collection, and the Triton kernels built with their seconds.
+    Where a compile's time goes inside inductor, which `compile_by_frame` leaves as one AOT + inductor figure."""
+    names = {r["compile_id"]: r["co_name"] for r in records if r["is_forward"] and r["co_name"]}
+    rows = []
+    for r in records:
+        if r["compile_id"] is None or r["is_runtime"]:
+            continue
+        inductor = _seconds(r, "inductor_cumulative_compile_time_us")
+        code_gen = _seconds(r, "inductor_code_gen_cumulative_compile_time_us")
+        forward = bool(r["is_forward"])
+        total = (r["entire_frame_compile_time_s"] or 0.0) if forward else _seconds(r, "duration_us")
+        aot = max((r["backend_compile_time_s"] or 0.0) - inductor, 0.0) if forward else 0.0
+        kernels = json.loads(r["triton_kernel_compile_times_us"] or "[]")  # [[name, us], ...]
+        rows.append({
+            "graph": f"{names.get(r['compile_id'], '?')} {r['compile_id']} {'forward' if forward else 'backward'}",
+            "total_s": round(total, 3), "aot_s": round(aot, 3), "inductor_graph_s": round(inductor - code_gen, 3),
+            "codegen_and_load_s": round(code_gen, 3), "kernels": len(kernels),
+            "autotune_s": round(_seconds(r, "compile_time_autotune_time_us"), 3),
+            "gc_s": round(_seconds(r, "gc_time_us"), 3),
+            "kernels_s": round(sum(t for _, t in kernels) / 1e6, 3),
+        })  # fmt: skip
+    return sorted(rows, key=lambda row: -row["total_s"])
+
+
+def format_compile_graph_split(rows: list[dict], limit: int = 6) -> str:
+    """`compile_graph_split`'s `limit` slowest graphs on one line."""
+    return "; ".join(
+        f"{g['graph']} {g['total_s']:.1f} s (AOT {g['aot_s']:.1f}, inductor {g['inductor_graph_s']:.1f} + codegen and "
+        f"load {g['codegen_and_load_s']:.1f}, autotune {g['autotune_s']:.1f}, gc {g['gc_s']:.1f}; {g['kernels']} "
+        f"kernels {g['kernels_s']:.1f} s)"
+        for g in rows[:limit]
+    )
+
+
 def compile_pool_ready() -> bool | None:
     """Whether inductor's pool of compile workers was up when the first step started (else inductor builds the
     first graph's kernels one by one in this process until it is); None where no pool was asked for (torchtitan
@@ -704,6 +749,9 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
             if r.get("compile_by_frame"):
                 by_frame = format_compile_by_frame(r["compile_by_frame"])
                 lines.append(f"{r['case']:<36}compile by frame, forward + backward: {by_frame}")
+            if r.get("compile_records"):
+                by_graph = format_compile_graph_split(compile_graph_split(r["compile_records"]))
+                lines.append(f"{r['case']:<36}compile by graph: {by_graph}")
             slowest = (r.get("first_step_jit") or {}).get("slowest", [])[:5]
             if slowest:
                 builds = ", ".join(f"{e['s']:.1f} s {e['kernel'][:48]}" for e in slowest)

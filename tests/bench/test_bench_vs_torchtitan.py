@@ -134,6 +134,33 @@ def test_the_table_splits_the_compile_by_frame_and_says_what_each_prebuild_did_a
     ]
 
 
+def test_the_compile_by_graph_split_parts_each_compile_and_names_its_frame():
+    """Torch's raw records (as `compile_records` keeps them) for one frame: its forward compile, the backward graph's
+    compile and a first-run record. Each compile is one row, the backward named after its forward's frame; the parts
+    are AOT autograd (backend less inductor), inductor's graph work (inductor less code generation), code generation
+    and module load, autotuning, GC and the kernels built; first runs are not compiles."""
+    blank = dict.fromkeys(bvt.COMPILE_RECORD_FIELDS)
+    kernels = json.dumps([["triton_poi_fused_0", 300000], ["triton_red_fused_1", 200000]])
+    forward = blank | {"compile_id": "1/0", "is_forward": True, "is_runtime": False, "co_name": "ffn_sublayer",
+                       "entire_frame_compile_time_s": 6.0, "backend_compile_time_s": 5.0,
+                       "inductor_cumulative_compile_time_us": 4_000_000,
+                       "inductor_code_gen_cumulative_compile_time_us": 2_500_000, "gc_time_us": 100_000,
+                       "triton_kernel_compile_times_us": kernels}  # fmt: skip
+    backward = blank | {"compile_id": "1/0", "is_forward": False, "is_runtime": False, "duration_us": 4_200_000,
+                        "inductor_cumulative_compile_time_us": 4_100_000,
+                        "inductor_code_gen_cumulative_compile_time_us": 3_000_000,
+                        "compile_time_autotune_time_us": 1_500_000}  # fmt: skip
+    first_run = blank | {"compile_id": "1/0", "is_forward": False, "is_runtime": True, "duration_us": 50_000}
+    fwd_row, bwd_row = bvt.compile_graph_split([forward, backward, first_run])
+    assert fwd_row == {"graph": "ffn_sublayer 1/0 forward", "total_s": 6.0, "aot_s": 1.0, "inductor_graph_s": 1.5,
+                       "codegen_and_load_s": 2.5, "kernels": 2, "autotune_s": 0.0, "gc_s": 0.1, "kernels_s": 0.5}  # fmt: skip
+    assert bwd_row == {"graph": "ffn_sublayer 1/0 backward", "total_s": 4.2, "aot_s": 0.0, "inductor_graph_s": 1.1,
+                       "codegen_and_load_s": 3.0, "kernels": 0, "autotune_s": 1.5, "gc_s": 0.0, "kernels_s": 0.0}  # fmt: skip
+    line = bvt.format_compile_graph_split([fwd_row, bwd_row])
+    assert line.startswith("ffn_sublayer 1/0 forward 6.0 s (AOT 1.0, inductor 1.5 + codegen and load 2.5, autotune")
+    assert "; ffn_sublayer 1/0 backward 4.2 s (" in line and "autotune 1.5" in line
+
+
 def test_torchtitan_real_work_halves_the_attention():
     flops = bvt.torchtitan_flops_per_token(1000, 2, 3, 4, 10)
     assert flops == {"torchtitan": 1000.0, "megatron": 1000 - 6 * 2 * 3 * 4 * 10 / 2}
@@ -193,8 +220,15 @@ def test_tiny_end_to_end_run_writes_rows_and_ratios(tmp_path):
         for frame in row["compile_by_frame"]:
             mine = [r for r in records if r["compile_id"] == frame["frame"].rsplit(" ", 1)[1]]
             assert any(r["is_forward"] and r["graph_op_count"] == frame["ops"] for r in mine), (frame, mine)
+        graphs = bvt.compile_graph_split(records)  # each frame's forward is among the compiles, its time the frame's
+        for frame in row["compile_by_frame"]:
+            name, compile_id = frame["frame"].split(" ")[0], frame["frame"].rsplit(" ", 1)[1]
+            (fwd,) = [g for g in graphs if g["graph"] == f"{name} {compile_id} forward"]
+            assert fwd["total_s"] == pytest.approx(frame["forward_s"], abs=1e-3)
     table = bvt.format_table(result["rows"], result["ratios"])
     assert "first step sampled: its memory figures are not the program's own" in table
+    for row in result["rows"]:  # each compiled case's compiles split by graph
+        assert row["group"] == "eager" or f"{row['case']:<36}compile by graph: " in table, table
     assert "sampled " in table and "other, under: " in table
     if HAS_TORCHTITAN:
         ours, titan = result["rows"]
