@@ -493,12 +493,12 @@ def _seconds(record: dict, field: str) -> float:
 
 def compile_graph_split(records: list[dict]) -> list[dict]:
     """One row per compile from `compile_records`, slowest first: a frame's forward (with dynamo's tracing; all the
-    frame's graphs where it breaks) or one graph's backward. Each row has the compile id and frame name, the
-    direction, the compile's seconds in all, AOT autograd's own part (the forward's joint
-    trace and partition: backend seconds less inductor's), inductor's graph work (post-grad passes, lowering,
-    scheduling: inductor less code generation), its code generation and module load (the load waits for the graph's
-    Triton kernels), compile-time autotuning, garbage collection, and the Triton kernels built with their seconds.
-    Where a compile's time goes inside inductor, which `compile_by_frame` leaves as one AOT + inductor figure."""
+    frame's graphs where it breaks) or one graph's backward. Each row has the frame's name, the compile id, the
+    direction, the compile's seconds in all, AOT autograd's own part (the forward's joint trace and partition: backend
+    seconds less inductor's), inductor's graph work (post-grad passes, lowering, scheduling: inductor less code
+    generation), its code generation and module load (the load waits for the graph's Triton kernels), compile-time
+    autotuning, garbage collection, and the Triton kernels built with their seconds: where a compile's time goes
+    inside inductor, which `compile_by_frame` (llm_training.distributed.compile) leaves as one figure."""
     names = {r["compile_id"]: r["co_name"] for r in records if r["is_forward"] and r["co_name"]}
     rows = []
     for r in records:
