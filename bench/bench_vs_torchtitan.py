@@ -107,6 +107,7 @@ class Case:
     memory_snapshot: bool = False  # one more step after timing recorded by the CUDA allocator: what holds its peak
     sample_first_step: bool = False  # sample the first step's Python stacks: its seconds by compile phase and line
     triton_prebuild: bool = True  # our systems: [compile] prebuild_workers as configured (False: 0, none)
+    compile_warmup: bool = True  # our systems: [compile] warmup (False: the first step pays compile's one-time start)
 
     @property
     def name(self) -> str:
@@ -115,7 +116,8 @@ class Case:
         mhc = f"+mhc_{self.mhc_backward}" if self.mhc_backward != "auto" else ""
         granularity = f"+{self.granularity}" if self.granularity != "auto" else ""
         prebuild = "" if self.triton_prebuild else "+no_prebuild"
-        return f"{self.system}{opt}{quant}{mhc}{granularity}{prebuild}@{self.group}"
+        warmup = "" if self.compile_warmup else "+no_warmup"
+        return f"{self.system}{opt}{quant}{mhc}{granularity}{prebuild}{warmup}@{self.group}"
 
     @property
     def shape(self) -> Size:
@@ -149,24 +151,25 @@ def build_cases(
     mhc_backwards: tuple[str, ...] = (),
     granularities: tuple[str, ...] = (),
     without_prebuild: bool = False,
+    without_warmup: bool = False,
 ) -> list[Case]:
     """The cases named by `selection`: comma-separated groups ("eager", "compiled", "accum", "all") and/or case
     names as printed (e.g. "ours@compiled", "ours_nomtp+adamw@accum", "torchtitan@eager"). Order: group, then
     ours, ours_nomtp (per optimizer), each again under every one of `recipes` (low-precision [quantize] recipes)
     and then in bf16 with every other [kernels] mhc_backward of `mhc_backwards` and every other [compile] granularity
-    of `granularities` (compiled groups), and with `without_prebuild` once more without the Triton prebuild
-    (compiled groups), then torchtitan. The accum group runs half the timed steps (each is 4x
-    longer)."""
+    of `granularities` (compiled groups), with `without_prebuild` once more without the Triton prebuild and with
+    `without_warmup` once more without the compiler's warm-up thread (compiled groups), then torchtitan. The accum
+    group runs half the timed steps (each is 4x longer)."""
     every = []
     for group in GROUPS:
         n_steps = max(1, steps // 2) if group == "accum" else steps
-        variants = [(r, "auto", "auto", True) for r in ("none", *(r for r in recipes if r != "none"))]
-        variants += [("none", m, "auto", True) for m in mhc_backwards if m != "auto"]
+        variants = [{"recipe": r} for r in ("none", *(r for r in recipes if r != "none"))]
+        variants += [{"mhc_backward": m} for m in mhc_backwards if m != "auto"]
         if group != "eager":
-            variants += [("none", "auto", g, True) for g in granularities if g != "auto"]
-            variants += [("none", "auto", "auto", False)] if without_prebuild else []
-        for recipe, mhc, granularity, prebuild in variants:
-            common = {"recipe": recipe, "mhc_backward": mhc, "granularity": granularity, "triton_prebuild": prebuild}
+            variants += [{"granularity": g} for g in granularities if g != "auto"]
+            variants += [{"triton_prebuild": False}] if without_prebuild else []
+            variants += [{"compile_warmup": False}] if without_warmup else []
+        for common in variants:
             every.append(Case("ours", group, size, "muon", n_steps, warmup, profile_steps, **common))
             every += [
                 Case("ours_nomtp", group, size, opt, n_steps, warmup, profile_steps, **common)
@@ -412,7 +415,8 @@ def run_worker(case: Case) -> dict:
                                 case.steps + case.warmup, case.accum, case.optimizer, device.type,
                                 quantize=case.recipe, mhc_backward=case.mhc_backward,
                                 compile_granularity=case.granularity,
-                                prebuild_workers=None if case.triton_prebuild else 0)  # fmt: skip
+                                prebuild_workers=None if case.triton_prebuild else 0,
+                                compile_warmup=case.compile_warmup)  # fmt: skip
         nparams = sum(p.numel() for p in trainer.model.parameters())
         flops = our_flops_per_token(flavor, seq)
 
@@ -451,6 +455,8 @@ def run_worker(case: Case) -> dict:
         **{k: v for k, v in timed.items() if k.endswith("_after_step")},
     }  # fmt: skip
     row.update(throughput(case.tokens_per_step, statistics.median(timed["times_s"]), flops, peak))
+    if case.system != "torchtitan" and trainer.compile_warmup is not None:
+        row["compile_warmup_s"] = trainer.compile_warmup.seconds
     if case.system != "torchtitan" and trainer.triton_prebuild is not None:
         row["triton_prebuild_summary"] = trainer.triton_prebuild.summary()
     if case.system != "torchtitan" and trainer.kernel_prebuild is not None:
@@ -648,7 +654,8 @@ def _run_worker_process(case: Case, timeout_s: float, result: Path, env: dict) -
 
 def _plain(row: dict) -> bool:
     """A row of ours in bf16 with the default mHC backward (the variants' reference)."""
-    defaults = {"recipe": "none", "mhc_backward": "auto", "granularity": "auto", "triton_prebuild": True}
+    defaults = {"recipe": "none", "mhc_backward": "auto", "granularity": "auto", "triton_prebuild": True,
+                "compile_warmup": True}  # fmt: skip
     return all(row.get(k, v) == v for k, v in defaults.items())
 
 
@@ -700,6 +707,14 @@ def format_rebuilt(rebuilt: list[dict], limit: int = 6) -> str:
     return ", ".join(parts) + (f", and {more} more" if more > 0 else "")
 
 
+def build_and_first_step(row: dict) -> str:
+    """The build's seconds (with what our compiler warm-up took on its side thread during it) and the time to the
+    end of the first step: what a warm-up moved out of the first step is only a gain where this sum falls."""
+    warm = row.get("compile_warmup_s")
+    during = f" (compile warm-up {warm:.1f} s on a side thread during it)" if warm is not None else ""
+    return f"build {row['build_s']:.1f} s{during}; build + first step {row['build_s'] + row['first_step_s']:.1f} s"
+
+
 def first_step_breakdown(row: dict) -> str:
     """The first step's wall seconds split into torch.compile's forward and backward compiles, the JIT builds
     outside them (bench/jit_timing.py: Triton, flash-attn-4's CuTe DSL, inductor's first-launch autotuning) and the
@@ -746,6 +761,7 @@ def format_table(rows: list[dict], ratio_rows: list[dict]) -> str:
     for r in rows:
         if "error" not in r and r.get("compile_time_s"):
             lines.append(f"{r['case']:<36}first step {first_step_breakdown(r)}")
+            lines.append(f"{r['case']:<36}{build_and_first_step(r)}")
             if r.get("compile_by_frame"):
                 by_frame = format_compile_by_frame(r["compile_by_frame"])
                 lines.append(f"{r['case']:<36}compile by frame, forward + backward: {by_frame}")
@@ -806,6 +822,9 @@ def main(argv=None) -> int:
     p.add_argument("--without-prebuild", action="store_true", help="our systems again in the compiled groups with "
                    "[compile] prebuild_workers = 0 (e.g. ours_nomtp+adamw+no_prebuild@accum): our Triton kernels built "
                    "in the training process, the first step's baseline")  # fmt: skip
+    p.add_argument("--without-warmup", action="store_true", help="our systems again in the compiled groups with "
+                   "[compile] warmup = false (e.g. ours_nomtp+adamw+no_warmup@accum): torch.compile's one-time start "
+                   "paid in the first step instead of on a side thread during the build")  # fmt: skip
     p.add_argument("--nomtp-optimizers", default="adamw", help="optimizers of the ours_nomtp rows: adamw, muon or both")
     p.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps per case (CUDA): "
                    "kernel time by cost group (bench/kernel_groups.py), printed and in the JSON")  # fmt: skip
@@ -836,7 +855,7 @@ def main(argv=None) -> int:
     mhc_backwards = tuple(m.strip() for m in a.mhc_backward.split(",") if m.strip())
     granularities = tuple(g.strip() for g in a.granularity.split(",") if g.strip())
     cases = build_cases(a.cases, a.size, a.steps, a.warmup, optimizers, a.profile_steps, recipes, mhc_backwards,
-                        granularities, a.without_prebuild)  # fmt: skip
+                        granularities, a.without_prebuild, a.without_warmup)  # fmt: skip
     cases = [
         dataclasses.replace(c, memory_snapshot=a.memory_snapshot, sample_first_step=a.sample_first_step) for c in cases
     ]

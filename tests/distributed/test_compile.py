@@ -602,3 +602,44 @@ def test_compile_workers_are_ready_before_the_first_graph_on_cuda():
     assert start_compile_workers()
     AsyncCompile.wait_pool_ready(timeout=120)
     assert AsyncCompile.use_process_pool()
+
+
+def test_compiler_warmup_runs_beside_the_build_and_leaves_no_trace():
+    """`CompilerWarmup` compiles on its own thread while this one keeps working: it draws no random numbers (a seeded
+    stream here is the same as without it), dynamo does not trace this thread's code meanwhile, and `finish()`
+    forgets what the warm-up compiled, so the run's compile report starts from the model's first graph."""
+    from llm_training.distributed.compile import CompilerWarmup
+
+    torch.manual_seed(0)
+    expected = torch.randn(4, 4)
+    torch.manual_seed(0)
+    warmup = CompilerWarmup(torch.device("cpu"), torch.float32, backend="aot_eager")
+    drawn = torch.randn(4, 4)  # the "build", on this thread, while the warm-up compiles
+    seconds = warmup.finish()
+    assert warmup.error is None and seconds > 0
+    torch.testing.assert_close(drawn, expected, rtol=0, atol=0)
+    assert compile_stats()["compiled_frames"] == 0 and compile_stats()["compile_by_frame"] == []
+
+
+def test_compiler_warmup_returns_its_failure_instead_of_raising():
+    """A warm-up that cannot compile (here an unknown backend) ends with its error kept for the caller to log."""
+    from llm_training.distributed.compile import CompilerWarmup
+
+    warmup = CompilerWarmup(torch.device("cpu"), torch.float32, backend="no_such_backend")
+    assert warmup.finish() >= 0
+    assert "no_such_backend" in repr(warmup.error)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiler_warmup_compiles_with_inductor_on_cuda():
+    """On CUDA the warm-up compiles with inductor (Triton kernels, forward and backward) in bf16 without error, and
+    a graph compiled after it computes what eager computes."""
+    from llm_training.distributed.compile import CompilerWarmup, _warmup_norm
+
+    warmup = CompilerWarmup(torch.device("cuda", torch.cuda.current_device()))
+    assert warmup.finish() > 0 and warmup.error is None
+    x = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(128, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(torch.compile(_warmup_norm)(x, w), _warmup_norm(x, w))
+    assert compile_stats()["compiled_frames"] == 1
