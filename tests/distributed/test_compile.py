@@ -633,12 +633,21 @@ def test_compiler_warmup_returns_its_failure_instead_of_raising():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiler_warmup_compiles_with_inductor_on_cuda():
-    """On CUDA the warm-up compiles with inductor (Triton kernels, forward and backward) in bf16 without error, and
-    a graph compiled after it computes what eager computes."""
+    """On CUDA the warm-up compiles with inductor (Triton kernels, forward and backward) in bf16 without error while
+    this thread draws from the seeded CUDA generator (the same numbers as without it), and a graph compiled after it
+    computes what eager computes."""
     from llm_training.distributed.compile import CompilerWarmup, _warmup_norm
 
+    def draws():  # many small draws, spread over the warm-up's compile
+        return torch.cat([torch.randn(10, device="cuda") for _ in range(200)])
+
+    torch.manual_seed(0)
+    expected = draws()
+    torch.manual_seed(0)
     warmup = CompilerWarmup(torch.device("cuda", torch.cuda.current_device()))
+    drawn = draws()
     assert warmup.finish() > 0 and warmup.error is None
+    torch.testing.assert_close(drawn, expected, rtol=0, atol=0)
     x = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(128, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(torch.compile(_warmup_norm)(x, w), _warmup_norm(x, w))
