@@ -114,15 +114,14 @@ def build_trainer(
     ep: int = 1,
     cp: int = 1,
     prebuild_workers: int | None = None,
-    compile_warmup: bool = True,
 ) -> Trainer:
     """Our real Trainer (build_model + parallelize + optimizers + loss) for `flavor` on random data, as a training
     run builds it: bf16 FSDP2 mixed precision on CUDA (a 1-rank process group, or torchrun's ranks), fp32 on CPU.
     `accum` micro-batches of `batch` x `seq_len` tokens per data rank make one optimizer step; `optimizer` None keeps
     the config's default (Muon); `quantize`: the [quantize] recipe (none = bf16); `mhc_backward`: [model]
     mhc_backward; `compile_granularity`: [compile] granularity; `prebuild_workers`: [compile] prebuild_workers (None: the
-    default); `compile_warmup`: [compile] warmup; `ep` / `cp`: the expert- / context-parallel degrees over
-    torchrun's WORLD_SIZE ranks (FSDP2 over the data ranks, world / cp)."""
+    default); `ep` / `cp`: the expert- / context-parallel degrees over torchrun's WORLD_SIZE ranks (FSDP2 over
+    the data ranks, world / cp)."""
     on_cuda = device == "cuda"
     precision = "bfloat16" if on_cuda else "float32"
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -137,7 +136,7 @@ def build_trainer(
         "--metrics.save_jsonl=false", "--lr_scheduler.warmup_steps=1", f"--quantize.recipe={quantize}",
         f"--kernels.mhc_backward={mhc_backward}", f"--compile.granularity={compile_granularity}",
         f"--parallelism.expert_parallel_degree={ep}",
-        f"--parallelism.context_parallel_degree={cp}", f"--compile.warmup={'true' if compile_warmup else 'false'}",
+        f"--parallelism.context_parallel_degree={cp}",
     ]  # fmt: skip
     if optimizer is not None:
         overrides.append(f"--optimizer.name={optimizer}")

@@ -107,7 +107,6 @@ class Case:
     memory_snapshot: bool = False  # one more step after timing recorded by the CUDA allocator: what holds its peak
     sample_first_step: bool = False  # sample the first step's Python stacks: its seconds by compile phase and line
     triton_prebuild: bool = True  # our systems: [compile] prebuild_workers as configured (False: 0, none)
-    compile_warmup: bool = True  # our systems: [compile] warmup (False: the first step pays compile's one-time start)
 
     @property
     def name(self) -> str:
@@ -116,8 +115,7 @@ class Case:
         mhc = f"+mhc_{self.mhc_backward}" if self.mhc_backward != "auto" else ""
         granularity = f"+{self.granularity}" if self.granularity != "auto" else ""
         prebuild = "" if self.triton_prebuild else "+no_prebuild"
-        warmup = "" if self.compile_warmup else "+no_warmup"
-        return f"{self.system}{opt}{quant}{mhc}{granularity}{prebuild}{warmup}@{self.group}"
+        return f"{self.system}{opt}{quant}{mhc}{granularity}{prebuild}@{self.group}"
 
     @property
     def shape(self) -> Size:
@@ -151,15 +149,13 @@ def build_cases(
     mhc_backwards: tuple[str, ...] = (),
     granularities: tuple[str, ...] = (),
     without_prebuild: bool = False,
-    without_warmup: bool = False,
 ) -> list[Case]:
     """The cases named by `selection`: comma-separated groups ("eager", "compiled", "accum", "all") and/or case
     names as printed (e.g. "ours@compiled", "ours_nomtp+adamw@accum", "torchtitan@eager"). Order: group, then
     ours, ours_nomtp (per optimizer), each again under every one of `recipes` (low-precision [quantize] recipes)
     and then in bf16 with every other [kernels] mhc_backward of `mhc_backwards` and every other [compile] granularity
-    of `granularities` (compiled groups), with `without_prebuild` once more without the Triton prebuild and with
-    `without_warmup` once more without the compiler's warm-up thread (compiled groups), then torchtitan. The accum
-    group runs half the timed steps (each is 4x longer)."""
+    of `granularities` (compiled groups), and with `without_prebuild` once more without the Triton prebuild
+    (compiled groups), then torchtitan. The accum group runs half the timed steps (each is 4x longer)."""
     every = []
     for group in GROUPS:
         n_steps = max(1, steps // 2) if group == "accum" else steps
@@ -168,7 +164,6 @@ def build_cases(
         if group != "eager":
             variants += [{"granularity": g} for g in granularities if g != "auto"]
             variants += [{"triton_prebuild": False}] if without_prebuild else []
-            variants += [{"compile_warmup": False}] if without_warmup else []
         for common in variants:
             every.append(Case("ours", group, size, "muon", n_steps, warmup, profile_steps, **common))
             every += [
@@ -415,8 +410,7 @@ def run_worker(case: Case) -> dict:
                                 case.steps + case.warmup, case.accum, case.optimizer, device.type,
                                 quantize=case.recipe, mhc_backward=case.mhc_backward,
                                 compile_granularity=case.granularity,
-                                prebuild_workers=None if case.triton_prebuild else 0,
-                                compile_warmup=case.compile_warmup)  # fmt: skip
+                                prebuild_workers=None if case.triton_prebuild else 0)  # fmt: skip
         nparams = sum(p.numel() for p in trainer.model.parameters())
         flops = our_flops_per_token(flavor, seq)
 
@@ -455,8 +449,6 @@ def run_worker(case: Case) -> dict:
         **{k: v for k, v in timed.items() if k.endswith("_after_step")},
     }  # fmt: skip
     row.update(throughput(case.tokens_per_step, statistics.median(timed["times_s"]), flops, peak))
-    if case.system != "torchtitan" and trainer.compile_warmup is not None:
-        row["compile_warmup_s"] = trainer.compile_warmup.seconds
     if case.system != "torchtitan" and trainer.triton_prebuild is not None:
         row["triton_prebuild_summary"] = trainer.triton_prebuild.summary()
     if case.system != "torchtitan" and trainer.kernel_prebuild is not None:
@@ -654,8 +646,7 @@ def _run_worker_process(case: Case, timeout_s: float, result: Path, env: dict) -
 
 def _plain(row: dict) -> bool:
     """A row of ours in bf16 with the default mHC backward (the variants' reference)."""
-    defaults = {"recipe": "none", "mhc_backward": "auto", "granularity": "auto", "triton_prebuild": True,
-                "compile_warmup": True}  # fmt: skip
+    defaults = {"recipe": "none", "mhc_backward": "auto", "granularity": "auto", "triton_prebuild": True}
     return all(row.get(k, v) == v for k, v in defaults.items())
 
 
@@ -708,11 +699,9 @@ def format_rebuilt(rebuilt: list[dict], limit: int = 6) -> str:
 
 
 def build_and_first_step(row: dict) -> str:
-    """The build's seconds (with what our compiler warm-up took on its side thread during it) and the time to the
-    end of the first step: what a warm-up moved out of the first step is only a gain where this sum falls."""
-    warm = row.get("compile_warmup_s")
-    during = f" (compile warm-up {warm:.1f} s on a side thread during it)" if warm is not None else ""
-    return f"build {row['build_s']:.1f} s{during}; build + first step {row['build_s'] + row['first_step_s']:.1f} s"
+    """The build's seconds and the time to the end of the first step: work moved from the first step into the build
+    (or back) is only a gain where this sum falls."""
+    return f"build {row['build_s']:.1f} s; build + first step {row['build_s'] + row['first_step_s']:.1f} s"
 
 
 def first_step_breakdown(row: dict) -> str:
@@ -822,9 +811,6 @@ def main(argv=None) -> int:
     p.add_argument("--without-prebuild", action="store_true", help="our systems again in the compiled groups with "
                    "[compile] prebuild_workers = 0 (e.g. ours_nomtp+adamw+no_prebuild@accum): our Triton kernels built "
                    "in the training process, the first step's baseline")  # fmt: skip
-    p.add_argument("--without-warmup", action="store_true", help="our systems again in the compiled groups with "
-                   "[compile] warmup = false (e.g. ours_nomtp+adamw+no_warmup@accum): torch.compile's one-time start "
-                   "paid in the first step instead of on a side thread during the build")  # fmt: skip
     p.add_argument("--nomtp-optimizers", default="adamw", help="optimizers of the ours_nomtp rows: adamw, muon or both")
     p.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps per case (CUDA): "
                    "kernel time by cost group (bench/kernel_groups.py), printed and in the JSON")  # fmt: skip
@@ -855,7 +841,7 @@ def main(argv=None) -> int:
     mhc_backwards = tuple(m.strip() for m in a.mhc_backward.split(",") if m.strip())
     granularities = tuple(g.strip() for g in a.granularity.split(",") if g.strip())
     cases = build_cases(a.cases, a.size, a.steps, a.warmup, optimizers, a.profile_steps, recipes, mhc_backwards,
-                        granularities, a.without_prebuild, a.without_warmup)  # fmt: skip
+                        granularities, a.without_prebuild)  # fmt: skip
     cases = [
         dataclasses.replace(c, memory_snapshot=a.memory_snapshot, sample_first_step=a.sample_first_step) for c in cases
     ]

@@ -399,12 +399,6 @@ class Compile:
         "before the compiled step first launches them, instead of the training process building them one after "
         "another in its first step (activation/triton_prebuild.py; CUDA only); 0: none",
     )
-    warmup: bool = option(
-        True,
-        "pay torch.compile's one-time start (inductor's and Triton's first compile in a process: seconds) on a side "
-        "thread while the model builds, instead of in the first step (distributed/compile.py CompilerWarmup; CUDA "
-        "only)",
-    )
     cache_folder: str = option(
         "compile_cache",
         "the compiled-kernel caches (torch.compile's graphs and Triton kernels, our Triton kernels, flash-attn-4's, "

@@ -158,51 +158,6 @@ def start_compile_workers() -> bool:
     return True
 
 
-class CompilerWarmup:
-    """torch.compile's one-time start paid on a side thread while the model builds: the first graph a process compiles
-    carries seconds of work no later graph repeats (inductor's and Triton's imports and first code generation, the
-    Triton driver's first build), which would otherwise land on the first step (bench/bench_compile_start.py measures
-    it). The thread compiles a tiny norm-like function, forward and backward, in the dtype the model computes in, on
-    `device`. It draws no random numbers (the model's initialisation stays as seeded) and shares no graph with the
-    model. `finish()` waits for it and then forgets what it compiled and counted (`reset_compile_stats`), so the
-    run's compile report starts from the model's first graph. A failure in the thread is returned by `finish()`, not
-    raised: the model's own compile reports any real problem."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype = torch.bfloat16, backend: str = "inductor"):
-        self.device, self.dtype, self.backend = device, dtype, backend
-        self.seconds: float | None = None
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="compile-warmup", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            on_cuda = self.device.type == "cuda"
-            with torch.cuda.device(self.device) if on_cuda else contextlib.nullcontext():
-                x = torch.linspace(-1.0, 1.0, 64 * 256, device=self.device).view(64, 256).to(self.dtype)
-                weight = torch.ones(256, device=self.device, dtype=self.dtype, requires_grad=True)
-                x.requires_grad_(True)
-                torch.compile(_warmup_norm, backend=self.backend)(x, weight).float().sum().backward()
-                if on_cuda:
-                    torch.cuda.synchronize(self.device)
-        except Exception as e:  # reported by finish()
-            self.error = e
-        self.seconds = time.perf_counter() - t0
-
-    def finish(self) -> float:
-        """Wait for the warm-up, forget its compile records; its seconds (measured in the thread)."""
-        self._thread.join()
-        reset_compile_stats()
-        return self.seconds
-
-
-def _warmup_norm(x_NH: torch.Tensor, weight_H: torch.Tensor) -> torch.Tensor:
-    """The warm-up's graph: an RMS norm in fp32 (a reduction, then pointwise work; both directions)."""
-    x = x_NH.float()
-    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x_NH.dtype) * weight_H
-
-
 def reset_compile_stats() -> None:
     """Forget everything dynamo compiled and counted (`torch._dynamo.reset()`): the start of a measurement."""
     torch._dynamo.reset()

@@ -44,7 +44,6 @@ from llm_training.distributed.compile import (
     compile_report,
     compile_stats,
     compiled_since,
-    CompilerWarmup,
     start_compile_workers,
 )
 from llm_training.distributed.context_parallel import shard_batch
@@ -225,10 +224,6 @@ class Trainer:
             # inductor's compile workers start first: they take seconds to come up (7 s on an H100 host, session
             # 27), and until they have, inductor builds the first graph's kernels one by one in this process
             start_compile_workers()
-        # torch.compile's one-time start, on a side thread through the build (finished at the end of __init__)
-        self.compile_warmup = None
-        if c.compile.enable and "model" in c.compile.components and device.type == "cuda" and c.compile.warmup:
-            self.compile_warmup = CompilerWarmup(device, getattr(torch, c.training.mixed_precision_param))
         self.spec = spec = MOTIF3_SPEC
         self.rank = rank()
         self.dp_rank = parallel_dims.dp_rank(self.rank)
@@ -308,13 +303,6 @@ class Trainer:
         # a mixture's batches carry source_ids: its real tokens per source are counted (tokens/<source> metrics)
         names = [s.resolved_name for s in c.training.sources]
         self.source_tokens = SourceTokenCounts(names) if names else None
-        if self.compile_warmup is not None:
-            seconds = self.compile_warmup.finish()
-            if self.compile_warmup.error is not None:
-                logger.warning("torch.compile's warm-up failed (the first step pays its start): %r",
-                               self.compile_warmup.error)  # fmt: skip
-            else:
-                logger.info("torch.compile's one-time start paid on a side thread during the build: %.1f s", seconds)
 
     # ------------------------------------------------------------------ checkpoint state
     def checkpoint_state(self) -> dict:

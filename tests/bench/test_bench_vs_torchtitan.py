@@ -87,19 +87,6 @@ def test_block_granularity_adds_our_compiled_systems_compared_with_the_default()
     assert by_pair == {("ours_nomtp+adamw+block@accum", "ours_nomtp@accum"): pytest.approx(21 / 22)}
 
 
-def test_without_warmup_adds_our_compiled_systems_with_the_warmup_off_compared_with_the_default():
-    cases = bvt.build_cases("accum,eager", "proxy", 6, 2, ["adamw"], without_warmup=True)
-    names = [c.name for c in cases]
-    assert "ours+no_warmup@accum" in names and "ours_nomtp+adamw+no_warmup@accum" in names
-    assert not any("no_warmup" in n for n in names if n.endswith("@eager"))  # nothing compiles there
-    off = next(c for c in cases if c.name == "ours_nomtp+adamw+no_warmup@accum")
-    assert not off.compile_warmup and off.triton_prebuild and off.granularity == "auto"
-    plain = _row("ours_nomtp", "accum", 22000.0, 220.0, 275.0, optimizer="adamw", compile_warmup=True)
-    cold = _row("ours_nomtp", "accum", 22000.0, 220.0, 275.0, optimizer="adamw", compile_warmup=False)
-    cold["case"] = off.name
-    assert [(q["case"], q["vs"]) for q in bvt.ratios([plain, cold])] == [(off.name, "ours_nomtp@accum")]
-
-
 def _row(system, group, tok_s, tf_ours, tf_tt, **kw):
     return {"case": f"{system}@{group}", "system": system, "group": group, "tokens_per_step": 16384,
             "step_ms_median": 1e3 * 16384 / tok_s, "tokens_per_s": tok_s, "tflops_megatron": tf_ours,
@@ -135,13 +122,12 @@ def test_the_table_splits_the_compile_by_frame_and_says_what_each_prebuild_did_a
     frame = {"frame": "ffn_sublayer (model.py:90) 1/0", "ops": 900, "forward_s": 9.0, "dynamo_s": 2.5,
              "backend_s": 6.5, "backward_s": 3.0, "kernels": 40, "triton_s": 1.25, "first_run_s": 0.75}  # fmt: skip
     row = _row("ours", "accum", 30000.0, 300.0, 350.0, compile_time_s={"total_forward_s": 20.0},
-               triton_prebuild_summary=triton, fa4_prebuild_summary=fa4, compile_by_frame=[frame],
-               compile_warmup_s=4.25)  # fmt: skip
+               triton_prebuild_summary=triton, fa4_prebuild_summary=fa4, compile_by_frame=[frame])  # fmt: skip
     lines = bvt.format_table([row], []).splitlines()
     case = "ours@accum" + " " * 26
     first = next(i for i, line in enumerate(lines) if line.startswith(case + "first step 61.0 s"))
     assert lines[first + 1 : first + 5] == [
-        case + "build 7.5 s (compile warm-up 4.2 s on a side thread during it); build + first step 68.5 s",
+        case + "build 7.5 s; build + first step 68.5 s",
         case + "compile by frame, forward + backward: ffn_sublayer (model.py:90) 1/0 9.0 + 3.0 s (900 ops; dynamo 2.5, "
         "AOT + inductor 6.5; 40 Triton kernels 1.2 s; first runs 0.8 s)",
         case + "Triton prebuild: " + triton,
