@@ -38,17 +38,19 @@ def apply_compile(blocks: list[nn.Module], backend: str = "inductor", sublayers:
     inside the block's graph. A block must then trace without a graph break: a break inside a checkpoint makes dynamo
     run that block's whole forward eagerly (blocks that cannot: `compile_in_pieces`).
 
-    `sublayers` ([compile] granularity = "sublayer", or "auto" without activation checkpointing): a block with an
-    `attention_sublayer` and an `ffn_sublayer` (Motif-3's TransformerBlock; its forward calls the two) gets the two
-    compiled apart instead. Each is then one graph per kind of ITS half, so a trunk of {full, sliding} x {dense, MoE}
-    blocks compiles 2 + 2 halves instead of 4 blocks; inductor no longer fuses across the two halves. H200,
-    motif3_proxy_nomtp, 64K tokens per step (bench_vs_torchtitan, 2026-12-05): first step 82.7 -> 70.0 s, reserved
-    117.0 -> 111.2 GiB, step 1646.4 -> 1653.8 ms (0.996x). Other blocks (MTP) compile whole."""
+    `sublayers` ([compile] granularity = "sublayer", or "auto" without activation checkpointing): a block with
+    `compile_regions()` (Motif-3's TransformerBlock: its attention half, and its feed-forward half or, with mHC, that
+    half's mHC-in, MLP / MoE and mHC-out steps) gets each of those methods compiled apart instead. Each is then one
+    graph per kind of ITS region, so a trunk of {full, sliding} x {dense, MoE} blocks compiles 2 + 2 halves instead
+    of 4 blocks, and the mHC steps once for dense and MoE blocks alike; inductor no longer fuses across regions. H200,
+    motif3_proxy_nomtp, 64K tokens per step (bench_vs_torchtitan, 2026-12-05), halves against whole blocks: first
+    step 82.7 -> 70.0 s, reserved 117.0 -> 111.2 GiB, step 1646.4 -> 1653.8 ms (0.996x). Other blocks (MTP) compile
+    whole."""
     _raise_recompile_limit()
     for block in blocks:
-        if sublayers and hasattr(block, "attention_sublayer") and hasattr(block, "ffn_sublayer"):
-            block.attention_sublayer = torch.compile(block.attention_sublayer, backend=backend)
-            block.ffn_sublayer = torch.compile(block.ffn_sublayer, backend=backend)
+        if sublayers and hasattr(block, "compile_regions"):
+            for name in block.compile_regions():
+                setattr(block, name, torch.compile(getattr(block, name), backend=backend))
         else:
             block.compile(backend=backend)
 

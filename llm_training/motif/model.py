@@ -122,14 +122,33 @@ class TransformerBlock(nn.Module):
         return MHC.update(*mid, fused=fused), mid, max_logits
 
     def ffn_sublayer(self, x: torch.Tensor, mid: Optional[StreamSource]) -> tuple[torch.Tensor, Optional[RouterStats]]:
-        """The feed-forward half of the block on `attention_sublayer`'s outputs: (x after it, RouterStats or None)."""
+        """The feed-forward half of the block on `attention_sublayer`'s outputs: (x after it, RouterStats or None).
+        With mHC it is three steps: `ffn_streams_in`, the dense MLP or the MoE (`_ffn`), `ffn_streams_out`."""
         if self.mhc_ffn is None:
             y, stats = self._ffn(self.post_attention_layernorm(x))
             return x + y, stats
-        fused = self.mhc_ffn.fused_backward
+        h_post, h_res, ffn_in = self.ffn_streams_in(x, mid)
+        y, stats = self._ffn(ffn_in)
+        return self.ffn_streams_out(x, h_res, h_post, y, mid), stats
+
+    def ffn_streams_in(self, x: torch.Tensor, mid: StreamSource) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """mHC into the feed-forward: (h_post [B, S, n], H_res [B, S, n, n], the normed collapsed stream [B, S, H])."""
         h_pre, h_post, h_res = self.mhc_ffn.coefficients(x, mid)
-        y, stats = self._ffn(self.post_attention_layernorm(MHC.collapse(x, h_pre, mid, fused)))
-        return MHC.update(x, h_res, h_post, y, mid, fused), stats
+        return h_post, h_res, self.post_attention_layernorm(MHC.collapse(x, h_pre, mid, self.mhc_ffn.fused_backward))
+
+    def ffn_streams_out(
+        self, x: torch.Tensor, h_res: torch.Tensor, h_post: torch.Tensor, y: torch.Tensor, mid: StreamSource
+    ) -> torch.Tensor:
+        """mHC out of the feed-forward: the streams updated with its output `y` [B, S, H]."""
+        return MHC.update(x, h_res, h_post, y, mid, self.mhc_ffn.fused_backward)
+
+    def compile_regions(self) -> tuple[str, ...]:
+        """The methods that [compile] granularity = "sublayer" compiles apart (`distributed.compile.apply_compile`):
+        the two halves, and with mHC the feed-forward half's three steps instead of it. Its mHC steps are the same
+        code in a dense and a MoE block, so one compiled graph serves both kinds: only the MLP / MoE differs."""
+        if self.mhc_ffn is None:
+            return ("attention_sublayer", "ffn_sublayer")
+        return ("attention_sublayer", "ffn_streams_in", "_ffn", "ffn_streams_out")
 
     def forward(self, x: torch.Tensor, position_ids_BS: torch.Tensor, metadata: Optional[AttentionMetadata] = None):
         x, mid, max_logits = self.attention_sublayer(x, position_ids_BS, metadata)
