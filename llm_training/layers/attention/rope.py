@@ -87,11 +87,17 @@ class RotaryEmbedding:
 
 
 def apply_rope_interleaved(x_BShD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (2j, 2j+1) of the last dim by the angle whose cos/sin are given; fp32 inside."""
+    """Rotate pairs (2j, 2j+1) of the last dim by the angle whose cos/sin ([B, S, d/2]) are given; fp32 inside.
+
+    Written as y = x cos + swap(x) (-1, +1) sin, swap exchanging the two members of each pair (a flip of the pair
+    dim): y0 = x0 cos - x1 sin, y1 = x1 cos + x0 sin, the same products and sums as the rotation written out, so the
+    same bits. Each output element is then one expression of two loads of x; the written-out form's stack of its two
+    results compiled to a select between both chains per element, kernels that took 1-2 s each to build (inductor,
+    H100)."""
     xf = x_BShD.float().unflatten(-1, (-1, 2))  # [B, S, h, d/2, 2]
-    x0, x1 = xf[..., 0], xf[..., 1]
-    cos, sin = cos_BSd.unsqueeze(2), sin_BSd.unsqueeze(2)  # broadcast over heads
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    cos, sin = cos_BSd[:, :, None, :, None], sin_BSd[:, :, None, :, None]  # broadcast over heads and the pair
+    sign = torch.arange(2, device=xf.device, dtype=xf.dtype) * 2 - 1  # (-1, +1) for pair members (0, 1)
+    out = xf * cos + xf.flip(-1) * sign * sin
     return out.flatten(-2).to(x_BShD.dtype)
 
 
