@@ -387,10 +387,11 @@ class Compile:
     granularity: str = option(
         "auto",
         "what one compiled graph covers: block (a whole block; under activation checkpointing its recompute is planned "
-        "inside the graph), sublayer (the attention half and the feed-forward half apart: a half shared by blocks that "
-        "differ only in the other half compiles once; needs [activation_checkpoint] mode = none), or auto (sublayer "
-        "without activation checkpointing, else block). H200, motif3_proxy_nomtp, 64K tokens per step: sublayer's "
-        "first step 70.0 s vs 82.7, reserved 111.2 vs 117.0 GiB, step time 0.996x",
+        "inside the graph), sublayer (the attention half and the feed-forward half apart, and with mHC the "
+        "feed-forward half as mHC-in, MLP or MoE, mHC-out: a region shared by blocks that differ elsewhere compiles "
+        "once; needs [activation_checkpoint] mode = none), or auto (sublayer without activation checkpointing, else "
+        "block). H200, motif3_proxy_nomtp, 64K tokens per step: halves' first step 70.0 s vs 82.7 for blocks, reserved "
+        "111.2 vs 117.0 GiB, step time 0.996x",
         choices=COMPILE_GRANULARITIES,
     )
     prebuild_workers: int = option(

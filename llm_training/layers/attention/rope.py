@@ -91,9 +91,10 @@ def apply_rope_interleaved(x_BShD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd:
 
     Written as y = x cos + swap(x) (-1, +1) sin, swap exchanging the two members of each pair (a flip of the pair
     dim): y0 = x0 cos - x1 sin, y1 = x1 cos + x0 sin, the same products and sums as the rotation written out, so the
-    same bits. Each output element is then one expression of two loads of x; the written-out form's stack of its two
-    results compiled to a select between both chains per element, kernels that took 1-2 s each to build (inductor,
-    H100)."""
+    same bits. Each output element is then one expression of two loads of x, where the written-out form's stack of
+    its two results compiled to a select between both chains per element. Fused with the q / k assembly, inductor's
+    kernels still take 1.5-1.6 s each to build on an H100 (session 32; the stack form's 1.0-1.75 s were measured on
+    another H100, not side by side)."""
     xf = x_BShD.float().unflatten(-1, (-1, 2))  # [B, S, h, d/2, 2]
     cos, sin = cos_BSd[:, :, None, :, None], sin_BSd[:, :, None, :, None]  # broadcast over heads and the pair
     sign = torch.arange(2, device=xf.device, dtype=xf.dtype) * 2 - 1  # (-1, +1) for pair members (0, 1)
