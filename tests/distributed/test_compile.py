@@ -58,29 +58,34 @@ def test_identical_blocks_compile_once_and_match_eager():
         torch.testing.assert_close(p_c.grad / 2, p_e.grad, rtol=1e-4, atol=1e-6, msg=name)  # 2 steps of grads
 
 
-@pytest.mark.parametrize("backend, graphs", [("auto", 7), ("fa4", 6)])
-def test_sublayer_compile_shares_each_region_among_the_blocks_that_have_it(backend, graphs, monkeypatch):
+@pytest.mark.parametrize("backend, mhc, graphs", [("auto", True, 7), ("fa4", True, 6), ("auto", False, 5)])
+def test_sublayer_compile_shares_each_region_among_the_blocks_that_have_it(backend, mhc, graphs, monkeypatch):
     """apply_compile(sublayers=True): each block's `compile_regions()` compile apart, one graph per kind of region.
     With mHC those are the attention half and the feed-forward half's mHC-in, MLP / MoE and mHC-out steps, so
     motif3_proxy's pattern (full dense, sliding dense, sliding MoE x 2, + MTP, compiled whole) gives 2 attention +
     1 mHC-in + 2 feed-forward (dense, MoE) + 1 mHC-out + 1 MTP graphs: the mHC steps are one graph for dense and MoE
     blocks alike. The step matches eager. With flash-attn-4 (emulated here), whose ops read the window's tensor
     form when they run (`masks.window_tensor`), full and sliding attention are one half: one graph fewer; the int
-    window of the other backends (auto is sdpa on the CPU) is a constant of the graph. bf16 (CPU): the MoE's grouped
+    window of the other backends (auto is sdpa on the CPU) is a constant of the graph. Without mHC the regions are the
+    two halves: 2 + 2 + 1 graphs. bf16 (CPU): the MoE's grouped
     GEMM traces only in bf16, as on the GPU; aot_eager runs the same ops, so the gap is bf16 rounding of reordered
     ops (measured 0 on the loss; bound: 2 bf16 roundings, 2^-7)."""
     if backend == "fa4":
         from tests.fa4_emulation import install_emulated_fa4
 
         install_emulated_fa4(monkeypatch)
-    args = get_flavor("motif3_debug").replace(num_hidden_layers=4)
+    args = get_flavor("motif3_debug").replace(num_hidden_layers=4, mhc_enabled=mhc)
     torch.manual_seed(0)
     eager = Motif3Model(args, attention_backend=backend)
     eager.init_weights()
     eager = eager.to(torch.bfloat16)
     halves = copy.deepcopy(eager)
     apply_compile(blocks(halves), backend="aot_eager", sublayers=True)
-    regions = ("attention_sublayer", "ffn_streams_in", "_ffn", "ffn_streams_out")
+    regions = (
+        ("attention_sublayer", "ffn_streams_in", "_ffn", "ffn_streams_out")
+        if mhc
+        else ("attention_sublayer", "ffn_sublayer")
+    )
     assert all(b.compile_regions() == regions and all(r in vars(b) for r in regions) for b in halves.layers)
     assert "attention_sublayer" not in vars(halves.mtp_layers[0])  # MTP has no halves: compiled whole
     ids = torch.randint(0, args.vocab_size, (2, 32))
