@@ -67,9 +67,9 @@ def test_sublayer_compile_shares_each_region_among_the_blocks_that_have_it(backe
     blocks alike. The step matches eager. With flash-attn-4 (emulated here), whose ops read the window's tensor
     form when they run (`masks.window_tensor`), full and sliding attention are one half: one graph fewer; the int
     window of the other backends (auto is sdpa on the CPU) is a constant of the graph. Without mHC the regions are the
-    two halves: 2 + 2 + 1 graphs. bf16 (CPU): the MoE's grouped
-    GEMM traces only in bf16, as on the GPU; aot_eager runs the same ops, so the gap is bf16 rounding of reordered
-    ops (measured 0 on the loss; bound: 2 bf16 roundings, 2^-7)."""
+    two halves: 2 + 2 + 1 graphs. bf16 (CPU): the MoE's grouped GEMM traces only in bf16, as on the GPU; aot_eager
+    runs the same ops, so the gap is bf16 rounding of reordered ops (measured 0 on the loss; bound: 2 bf16
+    roundings, 2^-7)."""
     if backend == "fa4":
         from tests.fa4_emulation import install_emulated_fa4
 
