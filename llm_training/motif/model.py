@@ -44,8 +44,8 @@ class TransformerBlock(nn.Module):
     """One trunk block. forward(x, position_ids, metadata) -> (x, RouterStats or None, max_logits fp32 [n_h] or
     None), where x is the stream tensor [B, S, n, H] with mHC or the plain residual [B, S, H] without, metadata the
     forward's AttentionMetadata, and max_logits the attention's when recording (GDLAttention). The forward is its
-    two halves in turn, `attention_sublayer` then `ffn_sublayer` ([compile] granularity = "sublayer" compiles them
-    apart)."""
+    two halves in turn, `attention_sublayer` then `ffn_sublayer` ([compile] granularity = "sublayer" compiles the
+    methods `compile_regions` names apart)."""
 
     def __init__(
         self,
