@@ -23,7 +23,8 @@ likewise adds them with that [kernels] mhc_backward ("...+mhc_tensor_ops@accum";
 auto: the fused mHC backward kernels on the GPU), with the plain row's ratio to it; `--granularity block` adds
 them in the compiled groups with that [compile] granularity ("...+block@accum": whole blocks compiled, against the
 default auto, which compiles the attention and feed-forward halves apart without activation checkpointing: first
-step, step time, memory). `--warm-restart` runs each
+step, step time, memory); `--kernel-tuning heuristic` likewise with that [compile] kernel_tuning
+("...+heuristic@accum": one launch configuration per generated kernel, untimed). `--warm-restart` runs each
 compiled case once more over the compile caches of its first run, as a restarted run with [compile] cache_folder
 starts: the table adds its first-step time. `--size proxy_16e` is the proxy with 16 experts and 32K tokens per accum
 step (fits one 80 GiB H100); `--size tiny` runs every case at the tiny CPU shape (motif3_debug and its matched
@@ -104,6 +105,7 @@ class Case:
     recipe: str = "none"  # our systems: the [quantize] recipe (torchtitan: always "none", bf16)
     mhc_backward: str = "auto"  # our systems: [kernels] mhc_backward (auto = the default config)
     granularity: str = "auto"  # our systems: [compile] granularity (auto = the default config)
+    kernel_tuning: str = "benchmark"  # our systems: [compile] kernel_tuning (benchmark = the default config)
     memory_snapshot: bool = False  # one more step after timing recorded by the CUDA allocator: what holds its peak
     sample_first_step: bool = False  # sample the first step's Python stacks: its seconds by compile phase and line
     triton_prebuild: bool = True  # our systems: [compile] prebuild_workers as configured (False: 0, none)
@@ -114,8 +116,9 @@ class Case:
         quant = f"+{self.recipe}" if self.recipe != "none" else ""
         mhc = f"+mhc_{self.mhc_backward}" if self.mhc_backward != "auto" else ""
         granularity = f"+{self.granularity}" if self.granularity != "auto" else ""
+        tuning = f"+{self.kernel_tuning}" if self.kernel_tuning != "benchmark" else ""
         prebuild = "" if self.triton_prebuild else "+no_prebuild"
-        return f"{self.system}{opt}{quant}{mhc}{granularity}{prebuild}@{self.group}"
+        return f"{self.system}{opt}{quant}{mhc}{granularity}{tuning}{prebuild}@{self.group}"
 
     @property
     def shape(self) -> Size:
@@ -149,12 +152,13 @@ def build_cases(
     mhc_backwards: tuple[str, ...] = (),
     granularities: tuple[str, ...] = (),
     without_prebuild: bool = False,
+    kernel_tunings: tuple[str, ...] = (),
 ) -> list[Case]:
     """The cases named by `selection`: comma-separated groups ("eager", "compiled", "accum", "all") and/or case
     names as printed (e.g. "ours@compiled", "ours_nomtp+adamw@accum", "torchtitan@eager"). Order: group, then
     ours, ours_nomtp (per optimizer), each again under every one of `recipes` (low-precision [quantize] recipes)
     and then in bf16 with every other [kernels] mhc_backward of `mhc_backwards` and every other [compile] granularity
-    of `granularities` (compiled groups), and with `without_prebuild` once more without the Triton prebuild
+    of `granularities` and [compile] kernel_tuning of `kernel_tunings` (compiled groups), and with `without_prebuild` once more without the Triton prebuild
     (compiled groups), then torchtitan. The accum group runs half the timed steps (each is 4x longer)."""
     every = []
     for group in GROUPS:
@@ -163,6 +167,7 @@ def build_cases(
         variants += [{"mhc_backward": m} for m in mhc_backwards if m != "auto"]
         if group != "eager":
             variants += [{"granularity": g} for g in granularities if g != "auto"]
+            variants += [{"kernel_tuning": t} for t in kernel_tunings if t != "benchmark"]
             variants += [{"triton_prebuild": False}] if without_prebuild else []
         for common in variants:
             every.append(Case("ours", group, size, "muon", n_steps, warmup, profile_steps, **common))
@@ -409,7 +414,7 @@ def run_worker(case: Case) -> dict:
         trainer = build_trainer(flavor, seq, case.batch, "none", case.compiled, tempfile.mkdtemp(prefix="bench_vs_tt_"),
                                 case.steps + case.warmup, case.accum, case.optimizer, device.type,
                                 quantize=case.recipe, mhc_backward=case.mhc_backward,
-                                compile_granularity=case.granularity,
+                                compile_granularity=case.granularity, kernel_tuning=case.kernel_tuning,
                                 prebuild_workers=None if case.triton_prebuild else 0)  # fmt: skip
         nparams = sum(p.numel() for p in trainer.model.parameters())
         flops = our_flops_per_token(flavor, seq)
@@ -646,7 +651,8 @@ def _run_worker_process(case: Case, timeout_s: float, result: Path, env: dict) -
 
 def _plain(row: dict) -> bool:
     """A row of ours in bf16 with the default mHC backward (the variants' reference)."""
-    defaults = {"recipe": "none", "mhc_backward": "auto", "granularity": "auto", "triton_prebuild": True}
+    defaults = {"recipe": "none", "mhc_backward": "auto", "granularity": "auto", "kernel_tuning": "benchmark",
+                "triton_prebuild": True}  # fmt: skip
     return all(row.get(k, v) == v for k, v in defaults.items())
 
 
@@ -808,6 +814,9 @@ def main(argv=None) -> int:
     p.add_argument("--granularity", default="", help="comma-separated [compile] granularity values (block, sublayer): "
                    "our systems again with each in the compiled groups, against the default auto (e.g. "
                    "ours_nomtp+adamw+block@accum: first-step compile time, step time, memory)")  # fmt: skip
+    p.add_argument("--kernel-tuning", default="", help="comma-separated [compile] kernel_tuning values (heuristic): our "
+                   "systems again with each in the compiled groups, against the default benchmark (e.g. "
+                   "ours_nomtp+adamw+heuristic@accum: first-step time, step time)")  # fmt: skip
     p.add_argument("--without-prebuild", action="store_true", help="our systems again in the compiled groups with "
                    "[compile] prebuild_workers = 0 (e.g. ours_nomtp+adamw+no_prebuild@accum): our Triton kernels built "
                    "in the training process, the first step's baseline")  # fmt: skip
@@ -840,8 +849,9 @@ def main(argv=None) -> int:
     recipes = tuple(r.strip() for r in a.quantize.split(",") if r.strip())
     mhc_backwards = tuple(m.strip() for m in a.mhc_backward.split(",") if m.strip())
     granularities = tuple(g.strip() for g in a.granularity.split(",") if g.strip())
+    tunings = tuple(t.strip() for t in a.kernel_tuning.split(",") if t.strip())
     cases = build_cases(a.cases, a.size, a.steps, a.warmup, optimizers, a.profile_steps, recipes, mhc_backwards,
-                        granularities, a.without_prebuild)  # fmt: skip
+                        granularities, a.without_prebuild, tunings)  # fmt: skip
     cases = [
         dataclasses.replace(c, memory_snapshot=a.memory_snapshot, sample_first_step=a.sample_first_step) for c in cases
     ]

@@ -18,6 +18,7 @@ from activation.backend import BACKENDS as ACTIVATION_BACKENDS
 from optimizer.newton_schulz import GRAM_BACKENDS
 
 from llm_training.distributed.activation_checkpoint import AC_MODES
+from llm_training.distributed.compile import KERNEL_TUNINGS
 from llm_training.distributed.context_parallel import CP_MODES
 from llm_training.distributed.expert_parallel import DISPATCHERS
 from llm_training.layers.attention.backends import ATTENTION_BACKENDS
@@ -393,6 +394,13 @@ class Compile:
         "block). H200, motif3_proxy_nomtp, 64K tokens per step: halves' first step 70.0 s vs 82.7 for blocks, reserved "
         "111.2 vs 117.0 GiB, step time 0.996x",
         choices=COMPILE_GRANULARITIES,
+    )
+    kernel_tuning: str = option(
+        "benchmark",
+        "how inductor picks each generated kernel's launch configuration: benchmark (its default: builds every "
+        "configuration its heuristics list, 2-6 per kernel, and times them at the first launch) or heuristic (builds "
+        "only the one its heuristics rank first: a shorter first step, perhaps slower kernels)",
+        choices=KERNEL_TUNINGS,
     )
     prebuild_workers: int = option(
         4,

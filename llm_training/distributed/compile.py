@@ -32,7 +32,9 @@ from torch import nn
 _RECOMPILE_LIMIT = 16
 
 
-def apply_compile(blocks: list[nn.Module], backend: str = "inductor", sublayers: bool = False) -> None:
+def apply_compile(
+    blocks: list[nn.Module], backend: str = "inductor", sublayers: bool = False, kernel_tuning: str = "benchmark"
+) -> None:
     """torch.compile every block's call in place with `backend` (tests use "aot_eager"): applied AFTER activation
     checkpointing, so dynamo traces the checkpoint as one higher-order op and the partitioner plans the recompute
     inside the block's graph. A block must then trace without a graph break: a break inside a checkpoint makes dynamo
@@ -45,17 +47,23 @@ def apply_compile(blocks: list[nn.Module], backend: str = "inductor", sublayers:
     of 4 blocks, and the mHC steps once for dense and MoE blocks alike; inductor no longer fuses across regions. H200,
     motif3_proxy_nomtp, 64K tokens per step (bench_vs_torchtitan, 2026-12-05), halves against whole blocks: first
     step 82.7 -> 70.0 s, reserved 117.0 -> 111.2 GiB, step 1646.4 -> 1653.8 ms (0.996x). Other blocks (MTP) compile
-    whole."""
+    whole. `kernel_tuning`: [compile] kernel_tuning (`inductor_options`)."""
     _raise_recompile_limit()
+    options = inductor_options(backend, kernel_tuning)
     for block in blocks:
         if sublayers and hasattr(block, "compile_regions"):
             for name in block.compile_regions():
-                setattr(block, name, torch.compile(getattr(block, name), backend=backend))
+                setattr(block, name, torch.compile(getattr(block, name), backend=backend, **options))
         else:
-            block.compile(backend=backend)
+            block.compile(backend=backend, **options)
 
 
-def compile_in_pieces(blocks: list[nn.Module], kind: Callable[[nn.Module], str], backend: str = "inductor") -> None:
+def compile_in_pieces(
+    blocks: list[nn.Module],
+    kind: Callable[[nn.Module], str],
+    backend: str = "inductor",
+    kernel_tuning: str = "benchmark",
+) -> None:
     """torch.compile each block's own forward in place with `backend`, BEFORE activation checkpointing wraps it: for
     blocks holding a part dynamo cannot trace, which breaks their graph. With expert parallelism that is the experts,
     their own FSDP2 group (FSDP2's hooks are dynamo-disabled) fed by the all-to-all dispatcher (a host copy of the
@@ -79,8 +87,9 @@ def compile_in_pieces(blocks: list[nn.Module], kind: Callable[[nn.Module], str],
 
     (torchtitan 0.2.2 meets the experts' hooks by compiling a MoE block's submodules one by one, the experts and
     dispatch left out; splitting at the breaks keeps our mHC and routing arithmetic, which live in the block's and
-    the MoE's own forward, compiled too.)"""
+    the MoE's own forward, compiled too.) `kernel_tuning`: as in `apply_compile`."""
     _raise_recompile_limit()
+    options = inductor_options(backend, kernel_tuning)
     forwards: dict[str, types.FunctionType] = {}
     for block in blocks:
         if "forward" in vars(block):
@@ -89,7 +98,31 @@ def compile_in_pieces(blocks: list[nn.Module], kind: Callable[[nn.Module], str],
         if key not in forwards:
             forwards[key] = _function_with_own_code(type(block).forward, key)
         own = types.MethodType(forwards[key], block)
-        block.forward = torch.compile(own, backend=backend, dynamic=False)
+        block.forward = torch.compile(own, backend=backend, dynamic=False, **options)
+
+
+KERNEL_TUNINGS = ("benchmark", "heuristic")
+
+
+def inductor_options(backend: str, kernel_tuning: str) -> dict:
+    """torch.compile keyword arguments for [compile] kernel_tuning (inductor only; other backends get none).
+
+    "benchmark" (inductor's defaults): each generated Triton kernel is built in every launch configuration its
+    heuristics list (two for a 1-D pointwise kernel, six for a 2-D tiled one, several for a reduction), and each
+    is timed at the kernel's first launch, which picks the fastest. "heuristic": the one configuration the
+    heuristics rank first (pointwise autotuning off; reduction configurations filtered to one as inductor's
+    deterministic mode filters them, through `test_configs.force_filter_reduction_configs` where this torch has
+    it): fewer builds and no timing in the first step, at the cost of whatever the timing would have won."""
+    if kernel_tuning not in KERNEL_TUNINGS:
+        raise ValueError(f"[compile] kernel_tuning = {kernel_tuning!r}: expected one of {', '.join(KERNEL_TUNINGS)}")
+    if backend != "inductor" or kernel_tuning == "benchmark":
+        return {}
+    import torch._inductor.config as inductor_config
+
+    options = {"triton.autotune_pointwise": False}
+    if hasattr(inductor_config.test_configs, "force_filter_reduction_configs"):
+        options["test_configs.force_filter_reduction_configs"] = True
+    return {"options": options}
 
 
 def _function_with_own_code(fn: types.FunctionType, suffix: str) -> types.FunctionType:

@@ -142,12 +142,16 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
     in_pieces = []
     if compiled and ac_mode in ("full", "long_context"):
         in_pieces = blocks_compiled_in_pieces(model, expert_plan is not None, cp_plan, ac_mode == "long_context")
-    compile_in_pieces(in_pieces, block_kind)  # before the checkpoint wraps their forward: it stays outside dynamo
+    tuning = job_config.compile.kernel_tuning
+    compile_in_pieces(
+        in_pieces, block_kind, kernel_tuning=tuning
+    )  # before the checkpoint wraps their forward: it stays outside dynamo
     apply_ac(blocks(model), ac_mode, job_config.activation_checkpoint.keep_full_attention)
     if compiled:
         whole = [b for b in blocks(model) if all(b is not piece for piece in in_pieces)]
         granularity = job_config.compile.granularity
-        apply_compile(whole, sublayers=granularity == "sublayer" or (granularity == "auto" and ac_mode == "none"))
+        sublayers = granularity == "sublayer" or (granularity == "auto" and ac_mode == "none")
+        apply_compile(whole, sublayers=sublayers, kernel_tuning=tuning)
 
     use_fsdp = dist.is_initialized() and (
         parallel_dims.dp_enabled or parallel_dims.fsdp_enabled or device.type == "cuda"

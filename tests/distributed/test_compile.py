@@ -609,3 +609,44 @@ def test_compile_workers_are_ready_before_the_first_graph_on_cuda():
     assert start_compile_workers()
     AsyncCompile.wait_pool_ready(timeout=120)
     assert AsyncCompile.use_process_pool()
+
+
+def test_kernel_tuning_options_are_inductor_settings_and_only_for_inductor():
+    """[compile] kernel_tuning = heuristic turns inductor's pointwise autotuning off and filters reduction
+    configurations to one; every key is one this torch's inductor config has (torch.compile refuses unknown ones);
+    "benchmark" and other backends pass nothing; an unknown value names the key and the choices."""
+    import torch._inductor.config as inductor_config
+
+    from llm_training.distributed.compile import inductor_options
+
+    options = inductor_options("inductor", "heuristic")["options"]
+    assert options["triton.autotune_pointwise"] is False
+    assert options.get("test_configs.force_filter_reduction_configs", True) is True
+    assert set(options) <= set(inductor_config.get_config_copy())
+    assert inductor_options("inductor", "benchmark") == {}
+    assert inductor_options("aot_eager", "heuristic") == {}
+    with pytest.raises(ValueError, match=r"\[compile\] kernel_tuning = 'fastest'.*benchmark, heuristic"):
+        inductor_options("inductor", "fastest")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tuning", ["benchmark", "heuristic"])
+def test_kernel_tuning_reaches_the_generated_kernels_on_cuda(tuning):
+    """A compiled block's generated Triton kernels carry the setting (a pointwise kernel's inductor_meta has
+    autotune_pointwise False under heuristic, True under benchmark), and the values are the eager block's up to
+    fp32 rounding of a differently ordered reduction."""
+    from torch._inductor.utils import run_and_get_code
+
+    from llm_training.distributed.compile import inductor_options
+
+    def block(x, w):
+        return torch.nn.functional.silu(x * w).sum(-1) + x.square().mean(-1)
+
+    x = torch.randn(512, 1000, device="cuda")
+    w = torch.randn(1000, device="cuda")
+    fn = torch.compile(block, backend="inductor", **inductor_options("inductor", tuning))
+    got, sources = run_and_get_code(fn, x, w)
+    torch.testing.assert_close(got, block(x, w), rtol=1e-5, atol=1e-4)
+    code = "\n".join(sources)
+    assert f"'autotune_pointwise': {tuning == 'benchmark'}" in code

@@ -23,11 +23,16 @@ from llm_training.distributed.utils import destroy_process_group
 ARGS = get_flavor("motif3_debug").replace(num_hidden_layers=3, router_aux_loss_coef=0.01)
 
 
-def _config(ac_mode="none", compiled=False, cp_mode="ulysses", granularity="block"):
+def _config(ac_mode="none", compiled=False, cp_mode="ulysses", granularity="block", kernel_tuning="benchmark"):
     ns = types.SimpleNamespace
     return ns(
         activation_checkpoint=ns(mode=ac_mode, keep_full_attention=True),
-        compile=ns(enable=compiled, components=["model"] if compiled else [], granularity=granularity),
+        compile=ns(
+            enable=compiled,
+            components=["model"] if compiled else [],
+            granularity=granularity,
+            kernel_tuning=kernel_tuning,
+        ),
         training=ns(mixed_precision_param="float32", mixed_precision_reduce="float32"),
         parallelism=ns(expert_parallel_dispatcher="all_to_all", context_parallel_mode=cp_mode),
     )
@@ -145,10 +150,34 @@ def test_compile_granularity_reaches_apply_compile(monkeypatch, granularity, ac_
     from llm_training.motif import parallelize
 
     calls = []
-    monkeypatch.setattr(parallelize, "apply_compile", lambda blocks, sublayers: calls.append((len(blocks), sublayers)))
+    monkeypatch.setattr(
+        parallelize, "apply_compile", lambda blocks, sublayers, kernel_tuning: calls.append((len(blocks), sublayers))
+    )
     parallelize_motif(Motif3Model(ARGS), ParallelDims(1, 1, 1, 1, 1), _config(ac_mode, True, granularity=granularity),
                       torch.device("cpu"))  # fmt: skip
     assert calls == [(ARGS.num_hidden_layers + ARGS.num_nextn_predict_layers, halves)]
+
+
+@pytest.mark.parametrize(
+    ("ac_mode", "tuning"), [("none", "heuristic"), ("long_context", "heuristic"), ("none", "benchmark")]
+)
+def test_compile_kernel_tuning_reaches_every_torch_compile_call(monkeypatch, ac_mode, tuning):
+    """[compile] kernel_tuning reaches both ways a block is compiled: whole or by sublayer (`apply_compile`) and in
+    pieces (`compile_in_pieces`, every block under long_context checkpointing)."""
+    from llm_training.motif import parallelize
+
+    seen = []
+    monkeypatch.setattr(
+        parallelize, "apply_compile", lambda blocks, sublayers, kernel_tuning: seen.append(kernel_tuning)
+    )
+    monkeypatch.setattr(
+        parallelize, "compile_in_pieces", lambda blocks, kind, kernel_tuning: seen.append((len(blocks), kernel_tuning))
+    )
+    parallelize_motif(Motif3Model(ARGS), ParallelDims(1, 1, 1, 1, 1), _config(ac_mode, True, kernel_tuning=tuning),
+                      torch.device("cpu"))  # fmt: skip
+    n_blocks = ARGS.num_hidden_layers + ARGS.num_nextn_predict_layers
+    pieces = n_blocks if ac_mode == "long_context" else 0
+    assert seen == [(pieces, tuning), tuning]
 
 
 def test_long_context_checkpointing_chunks_the_routed_experts_and_keeps_values_and_grads(monkeypatch):
@@ -274,7 +303,7 @@ def test_long_context_compiles_every_block_in_pieces_with_eager_expert_chunks(mo
 
     monkeypatch.setattr(activation_checkpoint, "LONG_CONTEXT_MOE_CHUNK_TOKENS", 24)
     whole = []
-    monkeypatch.setattr(parallelize, "apply_compile", lambda blocks, sublayers: whole.extend(blocks))
+    monkeypatch.setattr(parallelize, "apply_compile", lambda blocks, sublayers, kernel_tuning: whole.extend(blocks))
     monkeypatch.setattr(
         parallelize, "compile_in_pieces", functools.partial(compile_module.compile_in_pieces, backend="aot_eager")
     )
