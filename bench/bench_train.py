@@ -111,7 +111,7 @@ def build_trainer(
     quantize: str = "none",
     mhc_backward: str = "auto",
     compile_granularity: str = "auto",
-    kernel_tuning: str = "benchmark",
+    kernel_tuning: str = "",
     ep: int = 1,
     cp: int = 1,
     prebuild_workers: int | None = None,
@@ -120,7 +120,8 @@ def build_trainer(
     run builds it: bf16 FSDP2 mixed precision on CUDA (a 1-rank process group, or torchrun's ranks), fp32 on CPU.
     `accum` micro-batches of `batch` x `seq_len` tokens per data rank make one optimizer step; `optimizer` None keeps
     the config's default (Muon); `quantize`: the [quantize] recipe (none = bf16); `mhc_backward`: [model]
-    mhc_backward; `compile_granularity`: [compile] granularity; `kernel_tuning`: [compile] kernel_tuning; `prebuild_workers`: [compile] prebuild_workers (None: the
+    mhc_backward; `compile_granularity`: [compile] granularity; `kernel_tuning`: [compile] kernel_tuning ("": the
+    default); `prebuild_workers`: [compile] prebuild_workers (None: the
     default); `ep` / `cp`: the expert- / context-parallel degrees over torchrun's WORLD_SIZE ranks (FSDP2 over
     the data ranks, world / cp)."""
     on_cuda = device == "cuda"
@@ -136,12 +137,13 @@ def build_trainer(
         f"--activation_checkpoint.mode={ac}", f"--compile.enable={'true' if compile_ else 'false'}",
         "--metrics.save_jsonl=false", "--lr_scheduler.warmup_steps=1", f"--quantize.recipe={quantize}",
         f"--kernels.mhc_backward={mhc_backward}", f"--compile.granularity={compile_granularity}",
-        f"--compile.kernel_tuning={kernel_tuning}",
         f"--parallelism.expert_parallel_degree={ep}",
         f"--parallelism.context_parallel_degree={cp}",
     ]  # fmt: skip
     if optimizer is not None:
         overrides.append(f"--optimizer.name={optimizer}")
+    if kernel_tuning:
+        overrides.append(f"--compile.kernel_tuning={kernel_tuning}")
     if prebuild_workers is not None:
         overrides.append(f"--compile.prebuild_workers={prebuild_workers}")
     cfg = ConfigManager().parse_args(overrides)

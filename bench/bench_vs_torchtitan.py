@@ -23,8 +23,9 @@ likewise adds them with that [kernels] mhc_backward ("...+mhc_tensor_ops@accum";
 auto: the fused mHC backward kernels on the GPU), with the plain row's ratio to it; `--granularity block` adds
 them in the compiled groups with that [compile] granularity ("...+block@accum": whole blocks compiled, against the
 default auto, which compiles the attention and feed-forward halves apart without activation checkpointing: first
-step, step time, memory); `--kernel-tuning heuristic` likewise with that [compile] kernel_tuning
-("...+heuristic@accum": one launch configuration per generated kernel, untimed). `--warm-restart` runs each
+step, step time, memory); `--kernel-tuning heuristic,benchmark` likewise with each [compile] kernel_tuning
+set explicitly ("...+heuristic@accum": one launch configuration per generated kernel, untimed), against the
+config's default. `--warm-restart` runs each
 compiled case once more over the compile caches of its first run, as a restarted run with [compile] cache_folder
 starts: the table adds its first-step time. `--size proxy_16e` is the proxy with 16 experts and 32K tokens per accum
 step (fits one 80 GiB H100); `--size tiny` runs every case at the tiny CPU shape (motif3_debug and its matched
@@ -105,7 +106,7 @@ class Case:
     recipe: str = "none"  # our systems: the [quantize] recipe (torchtitan: always "none", bf16)
     mhc_backward: str = "auto"  # our systems: [kernels] mhc_backward (auto = the default config)
     granularity: str = "auto"  # our systems: [compile] granularity (auto = the default config)
-    kernel_tuning: str = "benchmark"  # our systems: [compile] kernel_tuning (benchmark = the default config)
+    kernel_tuning: str = ""  # our systems: [compile] kernel_tuning ("" = the config's default)
     memory_snapshot: bool = False  # one more step after timing recorded by the CUDA allocator: what holds its peak
     sample_first_step: bool = False  # sample the first step's Python stacks: its seconds by compile phase and line
     triton_prebuild: bool = True  # our systems: [compile] prebuild_workers as configured (False: 0, none)
@@ -116,7 +117,7 @@ class Case:
         quant = f"+{self.recipe}" if self.recipe != "none" else ""
         mhc = f"+mhc_{self.mhc_backward}" if self.mhc_backward != "auto" else ""
         granularity = f"+{self.granularity}" if self.granularity != "auto" else ""
-        tuning = f"+{self.kernel_tuning}" if self.kernel_tuning != "benchmark" else ""
+        tuning = f"+{self.kernel_tuning}" if self.kernel_tuning else ""
         prebuild = "" if self.triton_prebuild else "+no_prebuild"
         return f"{self.system}{opt}{quant}{mhc}{granularity}{tuning}{prebuild}@{self.group}"
 
@@ -167,7 +168,7 @@ def build_cases(
         variants += [{"mhc_backward": m} for m in mhc_backwards if m != "auto"]
         if group != "eager":
             variants += [{"granularity": g} for g in granularities if g != "auto"]
-            variants += [{"kernel_tuning": t} for t in kernel_tunings if t != "benchmark"]
+            variants += [{"kernel_tuning": t} for t in kernel_tunings]
             variants += [{"triton_prebuild": False}] if without_prebuild else []
         for common in variants:
             every.append(Case("ours", group, size, "muon", n_steps, warmup, profile_steps, **common))
@@ -651,7 +652,7 @@ def _run_worker_process(case: Case, timeout_s: float, result: Path, env: dict) -
 
 def _plain(row: dict) -> bool:
     """A row of ours in bf16 with the default mHC backward (the variants' reference)."""
-    defaults = {"recipe": "none", "mhc_backward": "auto", "granularity": "auto", "kernel_tuning": "benchmark",
+    defaults = {"recipe": "none", "mhc_backward": "auto", "granularity": "auto", "kernel_tuning": "",
                 "triton_prebuild": True}  # fmt: skip
     return all(row.get(k, v) == v for k, v in defaults.items())
 
@@ -814,8 +815,8 @@ def main(argv=None) -> int:
     p.add_argument("--granularity", default="", help="comma-separated [compile] granularity values (block, sublayer): "
                    "our systems again with each in the compiled groups, against the default auto (e.g. "
                    "ours_nomtp+adamw+block@accum: first-step compile time, step time, memory)")  # fmt: skip
-    p.add_argument("--kernel-tuning", default="", help="comma-separated [compile] kernel_tuning values (heuristic): our "
-                   "systems again with each in the compiled groups, against the default benchmark (e.g. "
+    p.add_argument("--kernel-tuning", default="", help="comma-separated [compile] kernel_tuning values (benchmark, "
+                   "heuristic): our systems again with each in the compiled groups, against the config's default (e.g. "
                    "ours_nomtp+adamw+heuristic@accum: first-step time, step time)")  # fmt: skip
     p.add_argument("--without-prebuild", action="store_true", help="our systems again in the compiled groups with "
                    "[compile] prebuild_workers = 0 (e.g. ours_nomtp+adamw+no_prebuild@accum): our Triton kernels built "

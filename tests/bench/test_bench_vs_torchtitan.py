@@ -87,15 +87,15 @@ def test_block_granularity_adds_our_compiled_systems_compared_with_the_default()
     assert by_pair == {("ours_nomtp+adamw+block@accum", "ours_nomtp@accum"): pytest.approx(21 / 22)}
 
 
-def test_heuristic_kernel_tuning_adds_our_compiled_systems_compared_with_the_default():
+def test_kernel_tuning_adds_our_compiled_systems_compared_with_the_config_default():
     cases = bvt.build_cases("accum,eager", "proxy", 6, 2, ["adamw"], kernel_tunings=("heuristic", "benchmark"))
     names = [c.name for c in cases]
-    assert "ours+heuristic@accum" in names and "ours_nomtp+adamw+heuristic@accum" in names
+    assert "ours+heuristic@accum" in names and "ours_nomtp+adamw+benchmark@accum" in names
     assert not any("heuristic" in n for n in names if n.endswith("@eager"))
-    assert len(names) == len(set(names))  # "benchmark" is the default: no second copy of the plain rows
     tuned = next(c for c in cases if c.name == "ours_nomtp+adamw+heuristic@accum")
     assert tuned.kernel_tuning == "heuristic" and tuned.granularity == "auto"
-    plain = _row("ours_nomtp", "accum", 22000.0, 220.0, 275.0, optimizer="adamw", kernel_tuning="benchmark")
+    assert next(c for c in cases if c.name == "ours_nomtp+adamw@accum").kernel_tuning == ""  # the config's default
+    plain = _row("ours_nomtp", "accum", 22000.0, 220.0, 275.0, optimizer="adamw", kernel_tuning="")
     heuristic = _row("ours_nomtp", "accum", 21780.0, 217.8, 272.25, optimizer="adamw", kernel_tuning="heuristic")
     heuristic["case"] = "ours_nomtp+adamw+heuristic@accum"
     by_pair = {(q["case"], q["vs"]): q["tokens_per_s"] for q in bvt.ratios([plain, heuristic])}
