@@ -300,7 +300,7 @@ def test_first_step_logs_what_compile_did_and_warns_on_graph_breaks(make_config,
         "compile_time_s": {"total_forward_s": 1.5, "total_backward_s": 0.5},
         "graph_break_reasons": ["2x Skip calling `torch.compiler.disable()`d function"],
     }  # fmt: skip
-    monkeypatch.setattr(parallelize, "apply_compile", lambda blocks, sublayers=False: None)
+    monkeypatch.setattr(parallelize, "apply_compile", lambda blocks, sublayers=False, kernel_tuning="benchmark": None)
     monkeypatch.setattr(trainer_module, "compile_stats", lambda max_reasons=8: stats)
     with caplog.at_level("INFO"):
         train(make_config("--compile.enable", "--training.steps=2", "--checkpoint.interval=2"), DIMS, CPU)
@@ -329,7 +329,7 @@ def test_a_later_step_that_compiles_is_named_with_its_guard_failure(make_config,
     later = {**first, "compiled_frames": 4, "recompiles": 3}
     later["guard_failures"] = [*first["guard_failures"], "forward: 0/1: tensor 'cu_seqlens' size mismatch at index 0"]
     snapshots = iter([first, first, later, later])  # first step (snapshot and report), steps 2, 3, 4
-    monkeypatch.setattr(parallelize, "apply_compile", lambda blocks, sublayers=False: None)
+    monkeypatch.setattr(parallelize, "apply_compile", lambda blocks, sublayers=False, kernel_tuning="benchmark": None)
     monkeypatch.setattr(trainer_module, "compile_stats", lambda max_reasons=8: next(snapshots))
     with caplog.at_level("INFO"):
         train(make_config("--compile.enable", "--training.steps=4", "--checkpoint.interval=4"), DIMS, CPU)
