@@ -47,7 +47,8 @@ def apply_compile(
     of 4 blocks, and the mHC steps once for dense and MoE blocks alike; inductor no longer fuses across regions. H200,
     motif3_proxy_nomtp, 64K tokens per step (bench_vs_torchtitan, 2026-12-05), halves against whole blocks: first
     step 82.7 -> 70.0 s, reserved 117.0 -> 111.2 GiB, step 1646.4 -> 1653.8 ms (0.996x). Other blocks (MTP) compile
-    whole. `kernel_tuning`: [compile] kernel_tuning (`inductor_options`)."""
+    whole. `kernel_tuning`: [compile] kernel_tuning (`inductor_options`; the default here is inductor's own, the
+    trainer passes the config's, heuristic by default)."""
     _raise_recompile_limit()
     options = inductor_options(backend, kernel_tuning)
     for block in blocks:
