@@ -173,6 +173,9 @@ class Fa4Prebuild:
         self.lines: list[str] = []  # its output, less the kernel announcements
         self.kernels: dict[str, str] = {}  # compile key -> "building" | "built", as the side process announces them
         self.waited: dict[str, float] = {}  # compile key -> seconds the training process waited for it
+        # compile keys the training process called before the side process had built them (from a cold cache it then
+        # builds them itself), in the order of their first call
+        self.unbuilt_at_first_call: dict[str, None] = {}
         self._changed = threading.Condition()
         self._ended = False
         self._reader = threading.Thread(target=self._read, name="fa4-prebuild-log", daemon=True)
@@ -181,8 +184,9 @@ class Fa4Prebuild:
         atexit.register(self.close)
 
     def _on_kernel_call(self, event: str, key: str) -> None:
-        if event == "start":
-            self.wait_for_kernel(key)
+        if event == "start" and not self.wait_for_kernel(key):
+            with self._changed:
+                self.unbuilt_at_first_call.setdefault(key, None)
 
     def _stop_watching(self) -> None:
         """Stop watching this process's kernel calls (nothing is being built any more), if this prebuild still does."""
@@ -232,17 +236,27 @@ class Fa4Prebuild:
         return built
 
     def summary(self) -> str:
-        """One line: the kernels the side process announced (built / still building) and those the training process
-        waited for, with the seconds it waited."""
+        """One line: the kernels the side process announced (built / still building), those the training process
+        waited for, with the seconds it waited, and those it called before the side process had built them (from a
+        cold cache it builds those itself): each either announced by the side process (a race: it started the kernel
+        after that call, or did not finish it) or never (a call the plan does not cover: its compile key differs from
+        every kind's)."""
         with self._changed:
             states = list(self.kernels.values())
             running = "still running" if self.process.poll() is None else f"exited {self.process.returncode}"
+            own = [(key, key in self.kernels) for key in self.unbuilt_at_first_call]
         built = states.count("built")
         building = len(states) - built
         line = f"{len(states)} kernels announced ({built} built, {building} building; side process {running})"
         if self.waited:
             waits = ", ".join(f"{s:.1f} s for {key}" for key, s in self.waited.items())
             line += f"; the training process waited {waits}"
+        if own:
+            why = {
+                True: "announced by the side process, not yet built by it",
+                False: "never announced: not in the plan",
+            }
+            line += "; called before the side process built it: " + ", ".join(f"{k} ({why[a]})" for k, a in own)
         return line
 
     def wait(self, timeout: float | None = None) -> int:

@@ -220,6 +220,8 @@ def test_a_training_process_waits_only_for_a_kernel_the_side_process_is_building
             time.sleep(0.01)
 
     assert prebuild.wait_for_kernel("forward other") is False and prebuild.waited == {}  # never started
+    fa4._kernel_call_watcher("start", "forward other")  # the training process calls it first: builds it itself
+    fa4._kernel_call_watcher("start", "forward other")  # its later calls are not new builds
     announced("forward K")
     with caplog.at_level(logging.INFO, logger=fa4_prebuild.__name__):
         fa4._kernel_call_watcher("start", "forward K")  # what the ops call: the wait
@@ -235,6 +237,15 @@ def test_a_training_process_waits_only_for_a_kernel_the_side_process_is_building
     summary = prebuild.summary()  # the harness's line
     assert summary.startswith("2 kernels announced (1 built, 1 building; side process exited 3)"), summary
     assert f"waited {prebuild.waited['forward K']:.1f} s for forward K, " in summary and "backward K" in summary
+    assert prebuild.unbuilt_at_first_call == {"forward other": None}
+    assert summary.endswith(
+        "; called before the side process built it: forward other (never announced: not in the plan)"
+    )
+    prebuild._on_kernel_call("start", "backward K")  # the side process died building it: the training process builds it
+    assert prebuild.summary().endswith(
+        "; called before the side process built it: forward other (never announced: not in the plan), backward K "
+        "(announced by the side process, not yet built by it)"
+    )
     assert fa4._kernel_call_watcher is None  # the side process ended: the ops no longer consult it
     prebuild.close()
 
