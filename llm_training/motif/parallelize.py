@@ -143,9 +143,8 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
     if compiled and ac_mode in ("full", "long_context"):
         in_pieces = blocks_compiled_in_pieces(model, expert_plan is not None, cp_plan, ac_mode == "long_context")
     tuning = job_config.compile.kernel_tuning
-    compile_in_pieces(
-        in_pieces, block_kind, kernel_tuning=tuning
-    )  # before the checkpoint wraps their forward: it stays outside dynamo
+    # before the checkpoint wraps their forward: it stays outside dynamo
+    compile_in_pieces(in_pieces, block_kind, kernel_tuning=tuning)
     apply_ac(blocks(model), ac_mode, job_config.activation_checkpoint.keep_full_attention)
     if compiled:
         whole = [b for b in blocks(model) if all(b is not piece for piece in in_pieces)]
