@@ -121,9 +121,8 @@ def build_trainer(
     `accum` micro-batches of `batch` x `seq_len` tokens per data rank make one optimizer step; `optimizer` None keeps
     the config's default (Muon); `quantize`: the [quantize] recipe (none = bf16); `mhc_backward`: [model]
     mhc_backward; `compile_granularity`: [compile] granularity; `kernel_tuning`: [compile] kernel_tuning ("": the
-    default); `prebuild_workers`: [compile] prebuild_workers (None: the
-    default); `ep` / `cp`: the expert- / context-parallel degrees over torchrun's WORLD_SIZE ranks (FSDP2 over
-    the data ranks, world / cp)."""
+    default); `prebuild_workers`: [compile] prebuild_workers (None: the default); `ep` / `cp`: the expert- /
+    context-parallel degrees over torchrun's WORLD_SIZE ranks (FSDP2 over the data ranks, world / cp)."""
     on_cuda = device == "cuda"
     precision = "bfloat16" if on_cuda else "float32"
     world = int(os.environ.get("WORLD_SIZE", "1"))

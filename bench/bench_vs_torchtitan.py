@@ -158,9 +158,10 @@ def build_cases(
     """The cases named by `selection`: comma-separated groups ("eager", "compiled", "accum", "all") and/or case
     names as printed (e.g. "ours@compiled", "ours_nomtp+adamw@accum", "torchtitan@eager"). Order: group, then
     ours, ours_nomtp (per optimizer), each again under every one of `recipes` (low-precision [quantize] recipes)
-    and then in bf16 with every other [kernels] mhc_backward of `mhc_backwards` and every other [compile] granularity
-    of `granularities` and [compile] kernel_tuning of `kernel_tunings` (compiled groups), and with `without_prebuild` once more without the Triton prebuild
-    (compiled groups), then torchtitan. The accum group runs half the timed steps (each is 4x longer)."""
+    and then in bf16 with every other [kernels] mhc_backward of `mhc_backwards`, every other [compile] granularity
+    of `granularities` and every [compile] kernel_tuning of `kernel_tunings` (compiled groups), and with
+    `without_prebuild` once more without the Triton prebuild (compiled groups), then torchtitan. The accum group
+    runs half the timed steps (each is 4x longer)."""
     every = []
     for group in GROUPS:
         n_steps = max(1, steps // 2) if group == "accum" else steps
@@ -651,7 +652,7 @@ def _run_worker_process(case: Case, timeout_s: float, result: Path, env: dict) -
 
 
 def _plain(row: dict) -> bool:
-    """A row of ours in bf16 with the default mHC backward (the variants' reference)."""
+    """A row of ours with every varied option at the config's default (the variants' reference)."""
     defaults = {"recipe": "none", "mhc_backward": "auto", "granularity": "auto", "kernel_tuning": "",
                 "triton_prebuild": True}  # fmt: skip
     return all(row.get(k, v) == v for k, v in defaults.items())

@@ -621,7 +621,10 @@ def test_kernel_tuning_options_are_inductor_settings_and_only_for_inductor():
 
     options = inductor_options("inductor", "heuristic")["options"]
     assert options["triton.autotune_pointwise"] is False
-    assert options.get("test_configs.force_filter_reduction_configs", True) is True
+    if hasattr(inductor_config.test_configs, "force_filter_reduction_configs"):  # torch 2.11 and 2.13 have it
+        assert options["test_configs.force_filter_reduction_configs"] is True
+    else:
+        assert "test_configs.force_filter_reduction_configs" not in options
     assert set(options) <= set(inductor_config.get_config_copy())
     assert inductor_options("inductor", "benchmark") == {}
     assert inductor_options("aot_eager", "heuristic") == {}
@@ -635,7 +638,9 @@ def test_kernel_tuning_options_are_inductor_settings_and_only_for_inductor():
 def test_kernel_tuning_reaches_the_generated_kernels_on_cuda(tuning):
     """A compiled block's generated Triton kernels carry the setting (a pointwise kernel's inductor_meta has
     autotune_pointwise False under heuristic, True under benchmark), and the values are the eager block's up to
-    fp32 rounding of a differently ordered reduction."""
+    fp32 rounding of a differently ordered reduction. Each row sums 1000 silu terms to about 180 (at most ~225);
+    reordering an fp32 sum of n terms moves it by about sqrt(n) * 2^-24 * |sum|, 3e-4 here (3.4e-5 measured against
+    fp64 on the CPU), where the bound allows atol 1e-4 + rtol 1e-5 * |sum|, about 1.9e-3."""
     from torch._inductor.utils import run_and_get_code
 
     from llm_training.distributed.compile import inductor_options
