@@ -48,7 +48,8 @@ from llm_training.distributed.compile import (
 )
 from llm_training.distributed.context_parallel import shard_batch
 from llm_training.distributed.utils import all_reduce_, clip_grad_norm_, rank, world_size
-from llm_training.layers.attention.fa4_prebuild import start_fa4_prebuild
+from llm_training.layers.attention.fa4_prebuild import fa4_attention_kinds, start_fa4_prebuild
+from llm_training.layers.attention.masks import prebuild_max_logits_kernels
 from llm_training.model_spec import StepStat
 from llm_training.motif.spec import MOTIF3_SPEC
 from llm_training.trainer.batch import prepare_batch
@@ -257,10 +258,15 @@ class Trainer:
         self.kernel_prebuild = None
 
         def start_kernel_prebuild(model):
-            # flash-attn-4's kernels built in a side process from the moment the model exists (on meta) until the
+            # flash-attn-4's kernels built in side processes from the moment the model exists (on meta) until the
             # first step needs them: through the parallelization, the weights' and the optimizer state's
-            # initialisation and the first step's compile (None where it would not help)
+            # initialisation and the first step's compile (None where it would not help); QK-clip's max-logit
+            # kernels beside them go to the Triton prebuild's workers
             self.kernel_prebuild = start_fa4_prebuild(model, c, parallel_dims, self.device)
+            if self.triton_prebuild is not None and c.optimizer.qk_clip_threshold > 0:
+                kinds = fa4_attention_kinds(model, self.device)
+                seq_len = t.seq_len // parallel_dims.cp  # the tokens of a row each rank's attention sees
+                prebuild_max_logits_kernels(kinds, t.local_batch_size, seq_len, getattr(torch, t.mixed_precision_param))
 
         built = build_components(spec, c, parallel_dims, self.device, on_model_built=start_kernel_prebuild)
         self.model_args, self.model, self.converters = built.model_args, built.model, built.converters

@@ -1,4 +1,4 @@
-"""Build flash-attn-4's kernels in a side process while the first step compiles.
+"""Build flash-attn-4's kernels in side processes while the first step compiles.
 
 flash-attn-4 compiles each CuTe DSL kernel it runs (per attention kind: the forward, the backward and the backward's
 pre- and post-passes) the first time it is called: six builds and 13-15 s of motif3_proxy's first compiled step on
@@ -11,22 +11,23 @@ rename.
 So, when the step is compiled, the trainer's local rank 0 starts `python -m
 llm_training.layers.attention.fa4_prebuild PLAN` as soon as the model is built on the meta device
 (`build_components`' `on_model_built`), before it is parallelized, materialised and given its optimizer state: those
-seconds count towards the side process's head start (one H100, session 22: started after them, the side process lost
-the race for the forward kernel of one of two harness cases, 2.5 s of CuTe build in the training process). That
-process runs every kind of attention the model sends to flash-attn-4 once, forward and backward, through the same
-`fa4_attention` the layers call, and exits; the kernels land in the cache while the training process traces and
-compiles its graphs, and its first attention call loads them (no build) instead of compiling. A kernel the side
-process has not finished when training needs it is built by the training process too (the first export wins, the
-second is skipped), unless the side process is building that very kernel at that moment: `fa4`'s ops tell a watcher
-(`fa4.watch_kernel_calls`) of every flash-attn-4 call's start and end, with the call's compile key
-(`fa4.kernel_key`); the side process's watcher announces them on its output, and the training process's
-(`Fa4Prebuild`, while the side process runs) waits for a kernel the side process has started
-(`Fa4Prebuild.wait_for_kernel`), since the rest of a build already under way takes less than a build of its own. (Before
-the wait, on the H200 of session 27, the training process lost that race for one or two forward kernels in three of
-four harness runs and built them itself: 3.1-8.2 s of the first step.) A kernel the side process has not started, or one it
-failed, the training process builds at once; its failure only costs the time it would have saved (a warning says
-why). Only the process that started the side process (local rank 0) hears it; the node's other ranks load what the
-cache holds when they get there and build the rest.
+seconds count towards the side processes' head start (one H100, session 22: started after them, the side process
+lost the race for the forward kernel of one of two harness cases, 2.5 s of CuTe build in the training process). One
+process per group of kinds with the same kernels (`side_process_plans`: full causal and sliding layers are two), so
+the forwards the first step needs build side by side. Each runs its kinds of attention once, forward and backward,
+through the same `fa4_attention` the layers call, and exits; the kernels land in the cache while the training
+process traces and compiles its graphs, and its first attention call loads them (no build) instead of compiling. A
+kernel no side process has finished when training needs it is built by the training process too (the first export
+wins, the second is skipped), unless a side process is building that very kernel at that moment: `fa4`'s ops tell a
+watcher (`fa4.watch_kernel_calls`) of every flash-attn-4 call's start and end, with the call's compile key
+(`fa4.kernel_key`); the side processes' watchers announce them on their output, and the training process's
+(`Fa4Prebuild`, while side processes run) waits for a kernel a side process has started
+(`Fa4Prebuild.wait_for_kernel`), since the rest of a build already under way takes less than a build of its own.
+(Before the wait, on the H200 of session 27, the training process lost that race for one or two forward kernels in
+three of four harness runs and built them itself: 3.1-8.2 s of the first step.) A kernel no side process has
+started, or one it failed, the training process builds at once; a failure only costs the time it would have saved
+(a warning says why). Only the process that started the side processes (local rank 0) hears them; the node's other
+ranks load what the cache holds when they get there and build the rest.
 
 The prebuild runs small shapes: flash-attn-4 4.0.0b36's compile keys (`flash_attn/cute/interface.py`) hold the
 dtype, head dims, query heads per KV head, causal / window, varlen, the GPU arch and the kernel's tile config, which
@@ -48,6 +49,7 @@ import subprocess
 import sys
 import threading
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import torch
@@ -86,16 +88,16 @@ class Fa4AttentionKind:
 
 @dataclass
 class PrebuildPlan:
-    """What the side process builds: every kind, forward then backward, over `row_tokens`-token rows; then, when
-    `many_documents`, the same kinds over more than FA4_MANY_DOCUMENTS documents. `max_logits`: QK-clip records the
-    attention's max logits, whose Triton kernel (`max_logits_kernels`) is built beside the forward."""
+    """What a side process builds: every kind, forward then backward, over `row_tokens`-token rows; then, when
+    `many_documents`, the same kinds over more than FA4_MANY_DOCUMENTS documents. (QK-clip's max-logit kernel, which
+    runs beside flash-attn-4, is Triton's: the trainer hands it to the Triton prebuild,
+    `masks.prebuild_max_logits_kernels`.)"""
 
     device: str
     dtype: str
     row_tokens: int
     kinds: list[Fa4AttentionKind]
     many_documents: bool = False
-    max_logits: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -105,6 +107,19 @@ class PrebuildPlan:
         raw = json.loads(text)
         raw["kinds"] = [Fa4AttentionKind(**k) for k in raw["kinds"]]
         return cls(**raw)
+
+
+def side_process_plans(plan: PrebuildPlan) -> list[PrebuildPlan]:
+    """`plan` split into one plan per side process, in model order: kinds whose compile keys agree (heads, head dims,
+    whether there is a window, not its width: `Fa4AttentionKind`) stay in one process, which builds their kernels
+    once; kinds that differ get processes of their own, which build side by side (a CuTe DSL build is one CPU
+    thread): the first step calls the forward of every kind within seconds, where one process built one after
+    another (the training process waited 1.3-3.8 s for each of two forwards on the H100 of session 33, and built a
+    third itself: 5.8 s)."""
+    groups: dict[tuple, list[Fa4AttentionKind]] = {}
+    for kind in plan.kinds:
+        groups.setdefault((kind.n_heads, kind.n_kv_heads, kind.d_qk, kind.d_v, kind.window is None), []).append(kind)
+    return [dataclasses.replace(plan, kinds=kinds) for kinds in groups.values()]
 
 
 def fa4_attention_kinds(model: torch.nn.Module, device: torch.device) -> list[Fa4AttentionKind]:
@@ -156,30 +171,39 @@ def _announce(event: str, key: str) -> None:
 
 
 class Fa4Prebuild:
-    """The running side process: its output is logged line by line (`[fa4 prebuild] ...`) from a reader thread,
-    which also follows the kernels it announces (building / built). Until it ends, this process's flash-attn-4 calls
-    are watched (`fa4.watch_kernel_calls`): one whose kernel the side process is building waits for it. `close()`
-    (also at interpreter exit) stops it if it still runs."""
+    """The running side processes, one per group of kinds that share kernels (`side_process_plans`): their output is
+    logged line by line (`[fa4 prebuild] ...`) from a reader thread each, which also follows the kernels they announce
+    (building / built). Until they have all ended, this process's flash-attn-4 calls are watched
+    (`fa4.watch_kernel_calls`): one whose kernel a side process is building waits for it. `close()` (also at
+    interpreter exit) stops those that still run."""
 
     def __init__(self, plan: PrebuildPlan):
         self.plan = plan
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", __name__, plan.to_json()],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=dict(os.environ),
-        )
-        self.lines: list[str] = []  # its output, less the kernel announcements
-        self.kernels: dict[str, str] = {}  # compile key -> "building" | "built", as the side process announces them
+        self.processes = [
+            subprocess.Popen(
+                [sys.executable, "-m", __name__, part.to_json()],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=dict(os.environ),
+            )
+            for part in side_process_plans(plan)
+        ]
+        self.lines: list[str] = []  # their output, less the kernel announcements
+        self.kernels: dict[str, str] = {}  # compile key -> "building" | "built", as the side processes announce them
         self.waited: dict[str, float] = {}  # compile key -> seconds the training process waited for it
-        # compile keys the training process called before the side process had built them (from a cold cache it then
+        # compile keys the training process called before a side process had built them (from a cold cache it then
         # builds them itself), in the order of their first call
         self.unbuilt_at_first_call: dict[str, None] = {}
+        self._builder: dict[str, int] = {}  # compile key -> the index of the side process that announced it
+        self._ended: set[int] = set()  # indices of the side processes that have exited
         self._changed = threading.Condition()
-        self._ended = False
-        self._reader = threading.Thread(target=self._read, name="fa4-prebuild-log", daemon=True)
-        self._reader.start()
+        self._readers = [
+            threading.Thread(target=self._read, args=(i,), name=f"fa4-prebuild-log-{i}", daemon=True)
+            for i in range(len(self.processes))
+        ]
+        for reader in self._readers:
+            reader.start()
         fa4.watch_kernel_calls(self._on_kernel_call)
         atexit.register(self.close)
 
@@ -194,41 +218,50 @@ class Fa4Prebuild:
         if previous != self._on_kernel_call:  # another watcher's: put it back
             fa4.watch_kernel_calls(previous)
 
-    def _read(self) -> None:
-        for line in self.process.stdout:
+    def _read(self, index: int) -> None:
+        process = self.processes[index]
+        tag = "[fa4 prebuild]" if len(self.processes) == 1 else f"[fa4 prebuild {index + 1}/{len(self.processes)}]"
+        for line in process.stdout:
             line = line.rstrip()
             for marker, state in ((KERNEL_START, "building"), (KERNEL_DONE, "built")):
                 if line.startswith(marker):
+                    key = line[len(marker) :]
                     with self._changed:
-                        self.kernels[line[len(marker) :]] = state
+                        self.kernels[key] = state
+                        self._builder[key] = index
                         self._changed.notify_all()
                     break
             else:
-                self.lines.append(line)
-                logger.info("[fa4 prebuild] %s", line)
-        code = self.process.wait()
+                with self._changed:
+                    self.lines.append(line)
+                logger.info("%s %s", tag, line)
+        code = process.wait()
         with self._changed:
-            self._ended = True
+            self._ended.add(index)
+            all_ended = len(self._ended) == len(self.processes)
             self._changed.notify_all()
-        self._stop_watching()
+        if all_ended:
+            self._stop_watching()
         if code not in (0, -15):  # -15: close() stopped it
             tail = " | ".join(self.lines[-3:])
             logger.warning(
-                "[fa4 prebuild] the side process exited with %d (%s); training builds flash-attn-4's kernels itself "
-                "(13-15 s more in the first step)",
+                "%s the side process exited with %d (%s); training builds its flash-attn-4 kernels itself (3-15 s "
+                "each in the first step)",
+                tag,
                 code,
                 tail or "no output",
             )
 
     def wait_for_kernel(self, key: str, timeout: float = KERNEL_WAIT_S) -> bool:
-        """If the side process is building the kernel of compile key `key` now, wait until it has (or has ended, or
-        `timeout` seconds): whether the kernel is built. A kernel it has not started, or has built, is not waited
-        for (False / True at once). The wait is logged, and kept in `waited`."""
+        """If a side process is building the kernel of compile key `key` now, wait until it has (or that process has
+        ended, or `timeout` seconds): whether the kernel is built. A kernel no side process has started, or one
+        built, is not waited for (False / True at once). The wait is logged, and kept in `waited`."""
         with self._changed:
             if self.kernels.get(key) != "building":
                 return self.kernels.get(key) == "built"
             start = time.perf_counter()
-            self._changed.wait_for(lambda: self.kernels.get(key) != "building" or self._ended, timeout)
+            builder = self._builder[key]
+            self._changed.wait_for(lambda: self.kernels.get(key) != "building" or builder in self._ended, timeout)
             built = self.kernels.get(key) == "built"
         self.waited[key] = time.perf_counter() - start
         outcome = "it is built" if built else "it is not built; the training process builds it"
@@ -236,43 +269,49 @@ class Fa4Prebuild:
         return built
 
     def summary(self) -> str:
-        """One line: the kernels the side process announced (built / still building), those the training process
-        waited for, with the seconds it waited, and those it called before the side process had built them (from a
-        cold cache it builds those itself): each either announced by the side process (a race: it started the kernel
-        after that call, or did not finish it) or never (a call the plan does not cover: its compile key differs from
-        every kind's)."""
+        """One line: the kernels the side processes announced (built / still building) and how each process is (still
+        running / its exit code), those the training process waited for, with the seconds it waited, and those it
+        called before a side process had built them (from a cold cache it builds those itself): each either
+        announced by a side process (a race: it started the kernel after that call, or did not finish it) or never
+        (a call the plan does not cover: its compile key differs from every kind's)."""
         with self._changed:
             states = list(self.kernels.values())
-            running = "still running" if self.process.poll() is None else f"exited {self.process.returncode}"
             own = [(key, key in self.kernels) for key in self.unbuilt_at_first_call]
+        running = ["still running" if p.poll() is None else f"exited {p.returncode}" for p in self.processes]
+        processes = f"side process {running[0]}" if len(running) == 1 else f"{len(running)} side processes: "
+        processes += ", ".join(running) if len(running) > 1 else ""
         built = states.count("built")
         building = len(states) - built
-        line = f"{len(states)} kernels announced ({built} built, {building} building; side process {running})"
+        line = f"{len(states)} kernels announced ({built} built, {building} building; {processes})"
         if self.waited:
             waits = ", ".join(f"{s:.1f} s for {key}" for key, s in self.waited.items())
             line += f"; the training process waited {waits}"
         if own:
             why = {
-                True: "announced by the side process, not yet built by it",
+                True: "announced by a side process, not yet built by it",
                 False: "never announced: not in the plan",
             }
-            line += "; called before the side process built it: " + ", ".join(f"{k} ({why[a]})" for k, a in own)
+            line += "; called before a side process built it: " + ", ".join(f"{k} ({why[a]})" for k, a in own)
         return line
 
-    def wait(self, timeout: float | None = None) -> int:
-        """The side process's exit code, after it ends (or `subprocess.TimeoutExpired`), its output all logged."""
-        code = self.process.wait(timeout)
-        self._reader.join(timeout)
-        return code
+    def wait(self, timeout: float | None = None) -> list[int]:
+        """The side processes' exit codes, after they end (or `subprocess.TimeoutExpired`), their output all
+        logged."""
+        codes = [process.wait(timeout) for process in self.processes]
+        for reader in self._readers:
+            reader.join(timeout)
+        return codes
 
     def close(self) -> None:
         self._stop_watching()
-        if self.process.poll() is None:
-            self.process.terminate()
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
             try:
-                self.process.wait(10)
+                process.wait(10)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                process.kill()
 
 
 def start_fa4_prebuild(model: torch.nn.Module, job_config, parallel_dims, device: torch.device) -> Fa4Prebuild | None:
@@ -292,11 +331,11 @@ def start_fa4_prebuild(model: torch.nn.Module, job_config, parallel_dims, device
         row_tokens=min(t.seq_len, PREBUILD_MAX_ROW_TOKENS),
         kinds=kinds,
         many_documents=t.local_batch_size * t.seq_len >= MANY_DOCUMENTS_MIN_TOKENS,
-        max_logits=job_config.optimizer.qk_clip_threshold > 0,
     )
     logger.info(
-        "flash-attn-4: building the kernels of %d attention kind(s) in a side process while the step compiles",
+        "flash-attn-4: building the kernels of %d attention kind(s) in %d side process(es) while the step compiles",
         len(kinds),
+        len(side_process_plans(plan)),
     )
     return Fa4Prebuild(plan)
 
@@ -347,9 +386,8 @@ def _run_plan(plan: PrebuildPlan) -> None:
             v = torch.randn(B, S, kind.n_kv_heads, kind.d_v, device=device, dtype=dtype, generator=gen)
             q, k, v = (x.requires_grad_() for x in (q, k, v))
             out, _ = fa4.fa4_attention(
-                q, k, v, scale=kind.softmax_scale, window=kind.window, metadata=metadata,
-                record_max_logits=plan.max_logits,
-            )  # fmt: skip
+                q, k, v, scale=kind.softmax_scale, window=kind.window, metadata=metadata, record_max_logits=False
+            )
             if on_cuda:
                 torch.cuda.synchronize(device)
             pending.append((kind, out))

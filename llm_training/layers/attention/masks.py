@@ -140,6 +140,39 @@ def _(q, k, document_ids, scale, window):
     return q.new_empty(q.shape[2], dtype=torch.float32)
 
 
+def prebuild_max_logits_kernels(kinds, batch_size: int, seq_len: int, dtype: torch.dtype) -> None:
+    """Hand the Triton max-logit kernel's launches at the training shape to the active Triton prebuild
+    (`activation.triton_prebuild`), one per distinct (query heads, KV heads, qk head dim, window) of `kinds` (objects
+    with those attributes: `fa4_prebuild.Fa4AttentionKind`), from meta tensors of [batch_size, seq_len] rows with
+    packed documents (the training data always has document ids). The kernel runs inside an opaque custom op whose
+    window is a tensor read at launch, so its fake implementation cannot announce it (the window is a constexpr of the
+    kernel); the trainer calls this at start-up instead, and the workers build every variant while the model is
+    built. A no-op without triton, an active prebuild, or for a dtype the kernel does not take."""
+    if not TRITON_AVAILABLE or dtype not in _KERNEL_DTYPES:
+        return
+    from activation.triton_prebuild import active_prebuild, capture_launches
+
+    if active_prebuild() is None:
+        return
+    from llm_training.layers.attention import max_logits_kernels  # imports triton
+
+    B, S = batch_size, seq_len
+    document_ids_BS = torch.empty(B, S, dtype=torch.long, device="meta")
+    starts_BS = document_starts(document_ids_BS)
+    variants = sorted({(k.n_heads, k.n_kv_heads, k.d_qk, k.window) for k in kinds}, key=str)
+    for n_heads, n_kv_heads, d_qk, window in variants:
+        q_BSHD = torch.empty(B, S, n_heads, d_qk, dtype=dtype, device="meta")
+        k_BSKD = torch.empty(B, S, n_kv_heads, d_qk, dtype=dtype, device="meta")
+
+        def launch(q_BSHD=q_BSHD, k_BSKD=k_BSKD, window=window):
+            max_logits_kernels.max_logits(
+                q_BSHD, k_BSKD, scale=1.0, window=window, document_ids=document_ids_BS, document_starts=starts_BS
+            )
+
+        attention = "full causal" if window is None else f"window {window}"
+        capture_launches(launch, q_BSHD, what=f"attention max logits ({attention}, {n_heads}/{n_kv_heads} heads)")
+
+
 def attention_max_logits(
     q_BSHD: torch.Tensor,
     k_BSKD: torch.Tensor,

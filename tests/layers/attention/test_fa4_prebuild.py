@@ -92,7 +92,7 @@ def test_document_layout_packs_the_documents_asked_for(documents, row_tokens):
 
 def test_plan_survives_its_json_round_trip():
     kinds = [Fa4AttentionKind(80, 16, 192, 128, None, 0.07), Fa4AttentionKind(80, 16, 192, 128, 128, 0.07)]
-    plan = PrebuildPlan("cuda:0", "bfloat16", 2048, kinds, many_documents=True, max_logits=True)
+    plan = PrebuildPlan("cuda:0", "bfloat16", 2048, kinds, many_documents=True)
     assert PrebuildPlan.from_json(plan.to_json()) == plan
     assert json.loads(plan.to_json())["kinds"][1]["window"] == 128
 
@@ -100,7 +100,8 @@ def test_plan_survives_its_json_round_trip():
 def test_side_process_runs_every_forward_then_every_backward_per_layout(monkeypatch, capsys):
     """The side process's body on the CPU over the emulated kernels: per document layout, the forwards of every
     kind come before the backwards (the order the first training step needs them), the many-documents layout
-    hands FA4 more than 256 documents, and QK-clip's max logits run beside the forwards."""
+    hands FA4 more than 256 documents; QK-clip's max-logit kernel is not the side process's (the Triton prebuild
+    builds it: `masks.prebuild_max_logits_kernels`)."""
     install_emulated_fa4(monkeypatch)
     interface = sys.modules["flash_attn.cute.interface"]
     calls = []
@@ -118,12 +119,12 @@ def test_side_process_runs_every_forward_then_every_backward_per_layout(monkeypa
         masks, "attention_max_logits", lambda *a, **kw: max_logits_calls.append(1) or real_max_logits(*a, **kw)
     )
     kinds = [Fa4AttentionKind(4, 2, 16, 8, None, 0.25), Fa4AttentionKind(4, 2, 16, 8, 8, 0.25)]
-    fa4_prebuild._run(PrebuildPlan("cpu", "float32", 160, kinds, many_documents=True, max_logits=True))
+    fa4_prebuild._run(PrebuildPlan("cpu", "float32", 160, kinds, many_documents=True))
     fwd, bwd = "_flash_attn_fwd", "_flash_attn_bwd"
     few, many = 2 * fa4_prebuild.PREBUILD_ROWS, FA4_MANY_DOCUMENTS + 2 * fa4_prebuild.PREBUILD_ROWS
     assert [(c[0], c[1]) for c in calls] == [(fwd, None), (fwd, 8), (bwd, None), (bwd, 8)] * 2
     assert {c[2] for c in calls[:4]} == {few} and min(c[2] for c in calls[4:]) >= many
-    assert len(max_logits_calls) == 4
+    assert max_logits_calls == []
     lines = capsys.readouterr().out.splitlines()
     markers = [line for line in lines if line.startswith((fa4_prebuild.KERNEL_START, fa4_prebuild.KERNEL_DONE))]
     out = [line for line in lines if line not in markers]
@@ -231,23 +232,80 @@ def test_a_training_process_waits_only_for_a_kernel_the_side_process_is_building
     announced("backward K")
     start = time.perf_counter()
     assert prebuild.wait_for_kernel("backward K", timeout=60) is False  # the side process died building it
-    assert time.perf_counter() - start < 30 and prebuild.wait(60) == 3
+    assert time.perf_counter() - start < 30 and prebuild.wait(60) == [3]
     # the announcements are followed, not logged as the side process's output
     assert prebuild.lines == [] and not any(fa4_prebuild.KERNEL_START in r.getMessage() for r in caplog.records)
     summary = prebuild.summary()  # the harness's line
     assert summary.startswith("2 kernels announced (1 built, 1 building; side process exited 3)"), summary
     assert f"waited {prebuild.waited['forward K']:.1f} s for forward K, " in summary and "backward K" in summary
     assert prebuild.unbuilt_at_first_call == {"forward other": None}
-    assert summary.endswith(
-        "; called before the side process built it: forward other (never announced: not in the plan)"
-    )
+    assert summary.endswith("; called before a side process built it: forward other (never announced: not in the plan)")
     prebuild._on_kernel_call("start", "backward K")  # the side process died building it: the training process builds it
     assert prebuild.summary().endswith(
-        "; called before the side process built it: forward other (never announced: not in the plan), backward K "
-        "(announced by the side process, not yet built by it)"
+        "; called before a side process built it: forward other (never announced: not in the plan), backward K "
+        "(announced by a side process, not yet built by it)"
     )
     assert fa4._kernel_call_watcher is None  # the side process ended: the ops no longer consult it
     prebuild.close()
+
+
+def test_kinds_with_other_kernels_get_side_processes_of_their_own():
+    """Full causal and sliding kinds build side by side, one process each; windows of other widths (one kernel set)
+    and the MTP layer's copy of a trunk kind stay in one process, in model order."""
+    full, w128, w64 = (Fa4AttentionKind(80, 16, 192, 128, w, 0.07) for w in (None, 128, 64))
+    other_heads = Fa4AttentionKind(40, 8, 192, 128, None, 0.07)
+    plan = PrebuildPlan("cuda:0", "bfloat16", 2048, [w128, full, w64, other_heads], many_documents=True)
+    parts = fa4_prebuild.side_process_plans(plan)
+    assert [p.kinds for p in parts] == [[w128, w64], [full], [other_heads]]
+    assert all(p.many_documents and p.row_tokens == 2048 and p.dtype == "bfloat16" for p in parts)
+
+
+_TWO_BUILDERS = textwrap.dedent(
+    """
+    import json, sys, time
+    start, done, plan = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    name = "A" if plan["kinds"][0]["window"] is None else "B"
+    print(start + "forward " + name, flush=True)
+    time.sleep(0.3)
+    print(done + "forward " + name, flush=True)
+    print(start + "backward " + name, flush=True)
+    if name == "A":
+        sys.exit(3)  # dies while building its backward
+    time.sleep(120)  # still building when the test ends
+    """
+)
+
+
+def test_a_wait_ends_with_the_side_process_that_announced_the_kernel(monkeypatch):
+    """Two side processes (a full causal and a sliding kind): both forwards are followed; the wait for the backward
+    that side process A was building ends when A dies, though B still runs; the summary says how each is."""
+    popen = subprocess.Popen
+    started = []
+
+    def builder(command, **kwargs):
+        started.append(command[-1])
+        script = [sys.executable, "-c", _TWO_BUILDERS, fa4_prebuild.KERNEL_START, fa4_prebuild.KERNEL_DONE]
+        return popen([*script, command[-1]], **kwargs)
+
+    monkeypatch.setattr(fa4_prebuild.subprocess, "Popen", builder)
+    kinds = [Fa4AttentionKind(4, 2, 16, 8, None, 0.25), Fa4AttentionKind(4, 2, 16, 8, 8, 0.25)]
+    prebuild = Fa4Prebuild(PrebuildPlan("cpu", "bfloat16", 64, kinds))
+    assert [PrebuildPlan.from_json(plan).kinds for plan in started] == [[kinds[0]], [kinds[1]]]
+    deadline = time.monotonic() + 60
+    while len(prebuild.kernels) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert prebuild.kernels == {
+        "forward A": "built", "forward B": "built", "backward A": "building", "backward B": "building"
+    }  # fmt: skip
+    start = time.perf_counter()
+    assert prebuild.wait_for_kernel("backward A", timeout=60) is False  # A died building it
+    assert time.perf_counter() - start < 30 and prebuild.processes[1].poll() is None  # B still runs
+    assert prebuild.summary().startswith(
+        "4 kernels announced (2 built, 2 building; 2 side processes: exited 3, still running)"
+    )
+    assert fa4._kernel_call_watcher == prebuild._on_kernel_call  # B still builds: the ops still consult it
+    prebuild.close()
+    assert prebuild.wait(60) == [3, -15] and fa4._kernel_call_watcher is None
 
 
 def test_a_failed_side_process_is_logged_and_leaves_training_alone(caplog):
@@ -256,11 +314,13 @@ def test_a_failed_side_process_is_logged_and_leaves_training_alone(caplog):
     plan = PrebuildPlan("cpu", "bfloat16", 64, [Fa4AttentionKind(4, 2, 16, 8, None, 0.25)])
     with caplog.at_level(logging.INFO, logger=fa4_prebuild.__name__):
         prebuild = Fa4Prebuild(plan)
-        assert prebuild.wait(240) == 1
+        assert prebuild.wait(240) == [1]
     assert any("flash-attn-4 needs a CUDA device" in line for line in prebuild.lines)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert (
-        len(warnings) == 1 and "exited with 1" in warnings[0] and "builds flash-attn-4's kernels itself" in warnings[0]
+        len(warnings) == 1
+        and "exited with 1" in warnings[0]
+        and "builds its flash-attn-4 kernels itself" in warnings[0]
     )
     prebuild.close()  # a finished process: nothing to stop
 
@@ -292,7 +352,7 @@ _CALLER = textwrap.dedent(
                                    (kind["n_kv_heads"], kind["d_v"]))
             )
             out, _ = fa4_attention(q, k, v, scale=kind["softmax_scale"], window=kind["window"], metadata=meta,
-                                   record_max_logits=plan["max_logits"])
+                                   record_max_logits=False)
             out.float().square().sum().backward()
         torch.cuda.synchronize()
         result[label] = len(builds)
@@ -324,7 +384,7 @@ def test_prebuilt_kernels_load_without_a_build_at_other_shapes(tmp_path):
     kernel for them; a kind that was not prebuilt (the control) does build, so the count is live."""
     env = _fresh_fa4_cache_env(tmp_path)
     kinds = [Fa4AttentionKind(16, 4, 192, 128, None, 0.07), Fa4AttentionKind(16, 4, 192, 128, 128, 0.07)]
-    plan = PrebuildPlan("cuda:0", "bfloat16", 2048, kinds, max_logits=True)
+    plan = PrebuildPlan("cuda:0", "bfloat16", 2048, kinds)
     built = subprocess.run(
         [sys.executable, "-m", fa4_prebuild.__name__, plan.to_json()], env=env, capture_output=True, text=True,
         timeout=280,
@@ -356,7 +416,7 @@ _WAITER = textwrap.dedent(
     (kind,) = plan.kinds
     prebuild = fa4_prebuild.Fa4Prebuild(plan)
     deadline = time.monotonic() + 240
-    while not prebuild.kernels and prebuild.process.poll() is None and time.monotonic() < deadline:
+    while not prebuild.kernels and prebuild.processes[0].poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     announced = list(prebuild.kernels)
     builds = []

@@ -176,3 +176,31 @@ def test_the_edge_pair_counts_and_the_pair_beyond_it_does_not(edge, i):
         docs[0, i - 3 :] = 1  # row i's document starts at its edge key
     got = _run_kernel(q, k, 0.5, window, docs, block_m=16, block_n=16)
     torch.testing.assert_close(got, torch.tensor([15.0]), atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares with a real launch on CUDA")
+def test_the_prebuilt_kernels_serve_the_launches_of_training(triton_prebuild_stub):
+    """`prebuild_max_logits_kernels` hands the workers one build per distinct (heads, head dim, window) of the
+    attention kinds; the launches attention then makes at that shape (q and k as GDLA builds them, a concat of
+    the no-rope and rope parts; packed documents; the window in its tensor form) load those builds: no build in
+    this process, nothing launched that the prebuild did not predict."""
+    from types import SimpleNamespace
+
+    from llm_training.layers.attention.masks import prebuild_max_logits_kernels, window_tensor
+
+    pb, events = triton_prebuild_stub
+    B, S, Hq, Hkv, d_nope, d_rope = 2, 384, 6, 2, 128, 32  # a shape no other test here builds
+    kinds = [SimpleNamespace(n_heads=Hq, n_kv_heads=Hkv, d_qk=d_nope + d_rope, window=w) for w in (None, 96, None)]
+    prebuild_max_logits_kernels(kinds, B, S, torch.bfloat16)
+    assert [name for _module, name, _key in pb.futures] == ["_max_logits_kernel"] * 2 and pb.skipped == []
+    assert all(seconds > 0 for _name, seconds in pb.wait(timeout=300)) and events == []
+    g = torch.Generator(device="cuda").manual_seed(3)
+    parts = [torch.randn(B, S, h, d, generator=g, device="cuda", dtype=torch.bfloat16) for h in (Hq, Hkv)
+             for d in (d_nope, d_rope)]  # fmt: skip
+    q, k = torch.cat(parts[:2], dim=-1), torch.cat(parts[2:], dim=-1)
+    docs = (torch.arange(S, device="cuda") >= 200).long() + 2 * torch.arange(B, device="cuda")[:, None]
+    for window in (None, 96):
+        attention_max_logits(q, k, scale=0.1, window=window_tensor(window), document_ids=docs)
+    torch.cuda.synchronize()
+    assert events == ["hit", "hit"] and pb.unpredicted == [], (events, pb.unpredicted)
