@@ -405,7 +405,8 @@ class Compile:
     )
     prebuild_workers: int = option(
         4,
-        "processes that build our Triton kernels (norms, mHC, the loss) from the shapes torch.compile traces, "
+        "processes that build our Triton kernels (norms, mHC, the loss, QK-clip's max logits) from the shapes "
+        "torch.compile traces or the trainer knows, "
         "before the compiled step first launches them, instead of the training process building them one after "
         "another in its first step (activation/triton_prebuild.py; CUDA only); 0: none",
     )
