@@ -178,6 +178,22 @@ def test_the_edge_pair_counts_and_the_pair_beyond_it_does_not(edge, i):
     torch.testing.assert_close(got, torch.tensor([15.0]), atol=1e-3, rtol=1e-4)
 
 
+def test_the_prebuild_hands_over_one_build_per_window(triton_prebuild_stub):
+    """`prebuild_max_logits_kernels` (the trainer's call at start-up) gives the workers one build per distinct
+    (heads, head dim, window), each for the training shape, and the workers build them (for the stub's SM90 target
+    without a GPU); nothing is built in this process, and a second call adds nothing."""
+    from types import SimpleNamespace
+
+    from llm_training.layers.attention.masks import prebuild_max_logits_kernels
+
+    pb, events = triton_prebuild_stub
+    kinds = [SimpleNamespace(n_heads=6, n_kv_heads=2, d_qk=160, window=w) for w in (None, 96, None)]
+    prebuild_max_logits_kernels(kinds, 2, 384, torch.bfloat16)
+    prebuild_max_logits_kernels(kinds[:1], 2, 384, torch.bfloat16)
+    assert [name for _module, name, _key in pb.futures] == ["_max_logits_kernel"] * 2 and pb.skipped == []
+    assert all(seconds > 0 for _name, seconds in pb.wait(timeout=300)) and events == []
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compares with a real launch on CUDA")
 def test_the_prebuilt_kernels_serve_the_launches_of_training(triton_prebuild_stub):
