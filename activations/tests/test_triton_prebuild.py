@@ -21,7 +21,12 @@ from activation import triton_prebuild
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (it builds for an SM90 target without a GPU)")
+
+
+def needs_triton(test):
+    """A test that runs wherever triton is installed (it builds for an SM90 target without a GPU), marked `gpu` so
+    that the GPU suite (`pytest -m gpu`, whose machines always have triton) runs it: CI's CPU machine has none."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the gpu extra)")(test))
 
 
 def _rms_launch_in_process(x, residual, w):

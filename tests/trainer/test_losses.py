@@ -27,6 +27,7 @@ def test_default_chunk_is_whole_row_tiles_within_its_2_gib():
     assert default_chunk_tokens(1 << 31) == 1
 
 
+@pytest.mark.gpu  # needs triton, which the GPU suite always has
 def test_every_loss_chunk_launches_the_kernel_the_prebuild_builds(triton_prebuild_stub):
     """`prebuild_chunk_kernel` hands the CE chunk kernel at Motif-3's vocabulary to the Triton prebuild; the launch of
     a later chunk (labels and token weights sliced at 2 x 2432 tokens into the step's tensors) has the same

@@ -178,6 +178,7 @@ def test_the_edge_pair_counts_and_the_pair_beyond_it_does_not(edge, i):
     torch.testing.assert_close(got, torch.tensor([15.0]), atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.gpu  # needs triton, which the GPU suite always has
 def test_the_prebuild_hands_over_one_build_per_window(triton_prebuild_stub):
     """`prebuild_max_logits_kernels` (the trainer's call at start-up) gives the workers one build per distinct
     (heads, head dim, window), each for the training shape, and the workers build them (for the stub's SM90 target
