@@ -114,8 +114,9 @@ def side_process_plans(plan: PrebuildPlan) -> list[PrebuildPlan]:
     whether there is a window, not its width: `Fa4AttentionKind`) stay in one process, which builds their kernels
     once; kinds that differ get processes of their own, which build side by side (a CuTe DSL build is one CPU
     thread): the first step calls the forward of every kind within seconds, where one process built one after
-    another (the training process waited 1.3-3.8 s for each of two forwards on the H100 of session 33, and built a
-    third itself: 5.8 s)."""
+    another (H100, session 33: the training process waited 1.3-3.8 s for forwards, and in the MTP + Muon case built
+    one itself, 5.8 s; session 34, two processes: no build in the training process, 0.9-4.0 s of wait for the first
+    forward only)."""
     groups: dict[tuple, list[Fa4AttentionKind]] = {}
     for kind in plan.kinds:
         groups.setdefault((kind.n_heads, kind.n_kv_heads, kind.d_qk, kind.d_v, kind.window is None), []).append(kind)
