@@ -222,6 +222,7 @@ class Fa4Prebuild:
     def _read(self, index: int) -> None:
         process = self.processes[index]
         tag = "[fa4 prebuild]" if len(self.processes) == 1 else f"[fa4 prebuild {index + 1}/{len(self.processes)}]"
+        own: list[str] = []  # this process's lines (`lines` interleaves every process's)
         for line in process.stdout:
             line = line.rstrip()
             for marker, state in ((KERNEL_START, "building"), (KERNEL_DONE, "built")):
@@ -233,6 +234,7 @@ class Fa4Prebuild:
                         self._changed.notify_all()
                     break
             else:
+                own.append(line)
                 with self._changed:
                     self.lines.append(line)
                 logger.info("%s %s", tag, line)
@@ -244,7 +246,7 @@ class Fa4Prebuild:
         if all_ended:
             self._stop_watching()
         if code not in (0, -15):  # -15: close() stopped it
-            tail = " | ".join(self.lines[-3:])
+            tail = " | ".join(own[-3:])
             logger.warning(
                 "%s the side process exited with %d (%s); training builds its flash-attn-4 kernels itself (3-15 s "
                 "each in the first step)",

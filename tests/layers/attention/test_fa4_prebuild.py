@@ -265,6 +265,7 @@ _TWO_BUILDERS = textwrap.dedent(
     import json, sys, time
     start, done, plan = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     name = "A" if plan["kinds"][0]["window"] is None else "B"
+    print(name + " starts", flush=True)
     print(start + "forward " + name, flush=True)
     time.sleep(0.3)
     print(done + "forward " + name, flush=True)
@@ -276,9 +277,10 @@ _TWO_BUILDERS = textwrap.dedent(
 )
 
 
-def test_a_wait_ends_with_the_side_process_that_announced_the_kernel(monkeypatch):
+def test_a_wait_ends_with_the_side_process_that_announced_the_kernel(monkeypatch, caplog):
     """Two side processes (a full causal and a sliding kind): both forwards are followed; the wait for the backward
-    that side process A was building ends when A dies, though B still runs; the summary says how each is."""
+    that side process A was building ends when A dies, though B still runs; the summary says how each is; the
+    warning about A quotes A's own output, not B's."""
     popen = subprocess.Popen
     started = []
 
@@ -289,7 +291,8 @@ def test_a_wait_ends_with_the_side_process_that_announced_the_kernel(monkeypatch
 
     monkeypatch.setattr(fa4_prebuild.subprocess, "Popen", builder)
     kinds = [Fa4AttentionKind(4, 2, 16, 8, None, 0.25), Fa4AttentionKind(4, 2, 16, 8, 8, 0.25)]
-    prebuild = Fa4Prebuild(PrebuildPlan("cpu", "bfloat16", 64, kinds))
+    with caplog.at_level(logging.INFO, logger=fa4_prebuild.__name__):
+        prebuild = Fa4Prebuild(PrebuildPlan("cpu", "bfloat16", 64, kinds))
     assert [PrebuildPlan.from_json(plan).kinds for plan in started] == [[kinds[0]], [kinds[1]]]
     deadline = time.monotonic() + 60
     while len(prebuild.kernels) < 4 and time.monotonic() < deadline:
@@ -306,6 +309,12 @@ def test_a_wait_ends_with_the_side_process_that_announced_the_kernel(monkeypatch
     assert fa4._kernel_call_watcher == prebuild._on_kernel_call  # B still builds: the ops still consult it
     prebuild.close()
     assert prebuild.wait(60) == [3, -15] and fa4._kernel_call_watcher is None
+    assert sorted(prebuild.lines) == ["A starts", "B starts"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "[fa4 prebuild 1/2] the side process exited with 3 (A starts); training builds its flash-attn-4 kernels "
+        "itself (3-15 s each in the first step)"
+    ]
 
 
 def test_a_failed_side_process_is_logged_and_leaves_training_alone(caplog):
