@@ -102,7 +102,7 @@ class Case:
     optimizer: str  # "muon" | "adamw" (torchtitan: always its AdamW)
     steps: int
     warmup: int
-    profile_steps: int = 0  # optimizer steps profiled after timing (CUDA): kernel time by cost group
+    profile_steps: int = 0  # optimizer steps profiled after timing (CUDA): kernel time by group (+1: by caller)
     recipe: str = "none"  # our systems: the [quantize] recipe (torchtitan: always "none", bf16)
     mhc_backward: str = "auto"  # our systems: [kernels] mhc_backward (auto = the default config)
     granularity: str = "auto"  # our systems: [compile] granularity (auto = the default config)
@@ -465,7 +465,7 @@ def run_worker(case: Case) -> dict:
         row["memory_peak"] = record_memory_peak(step, next_step, device)
         next_step += 1
     if case.profile_steps and device.type == "cuda":
-        row["profile_groups"], row["profile_top_kernels"] = profile_kernel_groups(step, next_step, case.profile_steps)
+        row.update(profile_kernel_groups(step, next_step, case.profile_steps))
     return row
 
 
@@ -572,16 +572,21 @@ def record_memory_peak(step, index: int, device) -> dict:
     return report
 
 
-def profile_kernel_groups(step, first_index: int, steps: int) -> tuple[list[dict], list[dict]]:
-    """`steps` more optimizer steps under torch.profiler (CUDA kernels only); their kernel time by cost group
-    (bench/kernel_groups.py: optimizer ranges, GEMM kinds, attention, copies/casts, ...) and the 120 kernels
-    that take the most time, per step (the JSON has all 120, names cut at 200 characters: the mangled CUTLASS names
-    run to thousands; the log prints those over 0.5 ms per step)."""
+def profile_kernel_groups(step, first_index: int, steps: int) -> dict:
+    """`steps` more optimizer steps under torch.profiler (CPU ops and CUDA kernels), then one more with input shapes
+    and Python stacks. Returns, per step: `profile_groups`, the kernel time by cost group (bench/kernel_groups.py:
+    optimizer ranges, GEMM kinds, attention, copies/casts, ...); `profile_top_kernels`, the 120 kernels that take
+    the most time (names cut at 200 characters: the mangled CUTLASS names run to thousands); `profile_idle`, the
+    GPU's idle time and its longest gaps (bench/kernel_callers.py); and, from the stack-recording step (its host
+    overhead would inflate the idle time, hence apart), `profile_callers`, the kernel time by launching op, its
+    context and our innermost frame. The log prints the kernels and callers over 0.5 ms per step."""
     import torch
+    from kernel_callers import format_callers, format_idle, gpu_idle, kernel_callers
     from kernel_groups import format_groups, group_kernels, top_kernels
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
         for i in range(steps):
             step(first_index + i)
         torch.cuda.synchronize()
@@ -594,7 +599,19 @@ def profile_kernel_groups(step, first_index: int, steps: int) -> tuple[list[dict
     ]
     for t in (t for t in top if t["ms_per_step"] >= 0.5):
         print(f"{t['ms_per_step']:9.1f} ms {t['launches_per_step']:6.0f}x  {t['group']:<18} {t['kernel'][:140]}")
-    return [{"group": g, "ms_per_step": ms / steps, "share": share} for g, ms, share in groups], top
+    idle = gpu_idle(events, steps)
+    print(format_idle(idle), flush=True)
+    with profile(activities=activities, record_shapes=True, with_stack=True) as prof:
+        step(first_index + steps)
+        torch.cuda.synchronize()
+    callers = kernel_callers(prof.events(), 1, n=120)
+    print(format_callers(callers), flush=True)
+    return {
+        "profile_groups": [{"group": g, "ms_per_step": ms / steps, "share": share} for g, ms, share in groups],
+        "profile_top_kernels": top,
+        "profile_idle": idle,
+        "profile_callers": callers,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -824,7 +841,9 @@ def main(argv=None) -> int:
                    "in the training process, the first step's baseline")  # fmt: skip
     p.add_argument("--nomtp-optimizers", default="adamw", help="optimizers of the ours_nomtp rows: adamw, muon or both")
     p.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps per case (CUDA): "
-                   "kernel time by cost group (bench/kernel_groups.py), printed and in the JSON")  # fmt: skip
+                   "kernel time by cost group (bench/kernel_groups.py) and the GPU's idle gaps, then one more step "
+                   "for the kernel time by launching op and caller (bench/kernel_callers.py); printed and in the "
+                   "JSON")  # fmt: skip
     p.add_argument(
         "--alloc-conf",
         default="expandable_segments:True",

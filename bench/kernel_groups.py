@@ -59,8 +59,8 @@ def _is_gpu(evt) -> bool:
     return str(getattr(evt, "device_type", "")).endswith(("CUDA", "PrivateUse1"))
 
 
-def _charged_kernels(events: Iterable) -> list[tuple[str, str, float]]:
-    """(group, kernel name, ms) of every GPU kernel in `events`, optimizer-range kernels charged to the optimizer."""
+def charged_kernel_events(events: Iterable) -> list[tuple[object, str]]:
+    """(kernel event, group) of every GPU kernel in `events`, optimizer-range kernels charged to the optimizer."""
     gpu = [e for e in events if _is_gpu(e)]
     # GPU-side annotation ranges of the optimizer steps (gpu_user_annotation events carry the range name)
     opt_ranges = []
@@ -74,8 +74,13 @@ def _charged_kernels(events: Iterable) -> list[tuple[str, str, float]]:
             continue
         start, end = e.time_range.start, e.time_range.end
         group = next((g for s, t, g in opt_ranges if s <= start and end <= t), None) or classify_kernel(e.name)
-        charged.append((group, e.name, (end - start) / 1e3))  # us -> ms
+        charged.append((e, group))
     return charged
+
+
+def _charged_kernels(events: Iterable) -> list[tuple[str, str, float]]:
+    """(group, kernel name, ms) of every GPU kernel in `events` (`charged_kernel_events`)."""
+    return [(g, e.name, (e.time_range.end - e.time_range.start) / 1e3) for e, g in charged_kernel_events(events)]
 
 
 def group_kernels(events: Iterable) -> list[tuple[str, float, float]]:

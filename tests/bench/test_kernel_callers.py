@@ -1,0 +1,114 @@
+"""bench/kernel_callers.py: kernels charged to the op and code that launched them; the GPU's idle gaps."""
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+_BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(_BENCH))  # kernel_callers imports kernel_groups as the harness does
+_spec = importlib.util.spec_from_file_location("kernel_callers", _BENCH / "kernel_callers.py")
+kernel_callers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(kernel_callers)
+
+
+def _cpu(name, start, end, parent=None, id=None, seq=-1, thread=1, fwd_thread=None, shapes=()):
+    return SimpleNamespace(
+        name=name, device_type="DeviceType.CPU", id=id, cpu_parent=parent, sequence_nr=seq, thread=thread,
+        fwd_thread=fwd_thread, input_shapes=list(shapes), time_range=SimpleNamespace(start=start, end=end),
+    )  # fmt: skip
+
+
+def _kernel(name, start, end, launched_by=None, annotation=False):
+    return SimpleNamespace(
+        name=name, device_type="DeviceType.CUDA", is_user_annotation=annotation,
+        linked_correlation_id=launched_by.id if launched_by is not None else 0,
+        time_range=SimpleNamespace(start=start, end=end),
+    )  # fmt: skip
+
+
+def _trace():
+    """A forward op in our loss (with its Python frames), the backward node it created running a 2 ms fp32
+    multiply (no frame of its own), an FSDP range with a copy, and a Muon step."""
+    step = _cpu("/work/bench/bench_train.py(157): train_step_on_random_data", 0, 100_000)
+    trainer = _cpu("/x/llm_training/trainer/trainer.py(398): train_step", 0, 100_000, step)
+    loss = _cpu("/x/llm_training/trainer/losses.py(124): forward", 0, 10_000, trainer)
+    mm = _cpu("aten::mm", 0, 1_000, loss, id=1, seq=7, thread=1, shapes=[[8, 4], [4, 16]])
+    node = _cpu("autograd::engine::evaluate_function: MulBackward0", 20_000, 30_000, trainer, seq=7, fwd_thread=1)
+    engine_frame = _cpu("/x/llm_training/trainer/trainer.py(410): train_step", 20_000, 30_000, node)  # not the op's
+    mul = _cpu("aten::mul", 20_000, 21_000, node, id=2, seq=-1, thread=2, shapes=[[220160, 4096], []])
+    fsdp = _cpu("FSDP::post_backward_reduce", 30_000, 40_000, trainer)
+    cat = _cpu("aten::_chunk_cat", 30_000, 31_000, fsdp, id=3)
+    opt = _cpu("Optimizer.step#Muon.step", 50_000, 60_000, trainer)
+    ns_frame = _cpu("/x/optimizer/optimizer/newton_schulz.py(83): orthogonalise_wide_", 50_000, 60_000, opt)
+    bmm = _cpu("aten::bmm", 50_000, 51_000, ns_frame, id=4)
+    cpu = [step, trainer, loss, mm, node, engine_frame, mul, fsdp, cat, opt, ns_frame, bmm]
+    gpu = [
+        _kernel("nvjet_sm90_tst_fwd", 1_000, 4_000, mm),  # 3 ms
+        _kernel("elementwise_kernel<MulFunctor<float>>", 22_000, 24_000, mul),  # 2 ms, after an 18 ms gap
+        _kernel("elementwise_kernel<MulFunctor<float>>", 24_000, 26_000, mul),  # again: same row
+        _kernel("chunk_cat_cuda_kernel", 31_000, 32_000, cat),  # after a 5 ms gap
+        _kernel("Optimizer.step#Muon.step", 52_000, 58_000, annotation=True),
+        _kernel("nvjet_sm90_tst_ns", 52_000, 57_000, bmm),  # inside Muon's GPU range; after a 20 ms gap
+        _kernel("nvjet_sm90_tst_ns_overlap", 53_000, 56_000, bmm),  # another stream, inside the busy interval
+        _kernel("Memcpy DtoD (Device -> Device)", 58_000, 59_000),  # no linked op; right after Muon's range
+    ]
+    return cpu + gpu
+
+
+def test_kernels_are_charged_to_their_op_context_and_our_frame():
+    rows = kernel_callers.kernel_callers(_trace(), steps=2)
+    by_op = {r["op"]: r for r in rows}
+    mul = by_op["aten::mul"]
+    assert mul["group"] == "elementwise/fused"
+    assert mul["ms_per_step"] == pytest.approx(2.0) and mul["launches_per_step"] == 1.0
+    assert mul["context"] == "bwd MulBackward0"
+    # no frame of its own below the node: the forward op with the node's sequence number names it
+    assert mul["frame"] == "bwd of llm_training/trainer/losses.py:124 forward"
+    assert mul["shapes"] == "[[220160, 4096], []]"
+    mm = by_op["aten::mm"]
+    assert (mm["group"], mm["frame"], mm["context"]) == ("bf16 GEMM", "llm_training/trainer/losses.py:124 forward", "")
+    assert by_op["aten::_chunk_cat"]["context"] == "FSDP::post_backward_reduce"
+    bmm = by_op["aten::bmm"]
+    assert bmm["group"] == "optimizer: Muon" and bmm["ms_per_step"] == pytest.approx(4.0)
+    assert bmm["frame"] == "optimizer/optimizer/newton_schulz.py:83 orthogonalise_wide_"
+    assert by_op["?"]["group"] == "copies/casts"  # the memcpy no op is linked to
+    assert [r["ms_per_step"] for r in rows] == sorted((r["ms_per_step"] for r in rows), reverse=True)
+    table = kernel_callers.format_callers(rows, min_ms=1.0)
+    assert "aten::mul  [bwd MulBackward0]  bwd of llm_training/trainer/losses.py:124 forward" in table
+    assert "aten::_chunk_cat" not in table  # 0.5 ms per step: under the cut
+
+
+def test_gpu_idle_counts_time_no_stream_is_busy_and_names_who_ends_each_gap():
+    idle = kernel_callers.gpu_idle(_trace(), steps=2, n=2)
+    # kernels cover [1, 4] + [22, 26] + [31, 32] + [52, 57] + [58, 59] ms of the span [1, 59] (the annotation
+    # range [52, 58] is not a kernel)
+    assert idle["span_ms_per_step"] == pytest.approx(58 / 2)
+    assert idle["busy_ms_per_step"] == pytest.approx(14 / 2)
+    assert idle["idle_ms_per_step"] == pytest.approx(44 / 2)
+    first, second = idle["gaps"]
+    assert first["gap_ms"] == pytest.approx(20.0) and first["next_op"] == "aten::bmm"
+    assert first["after_kernel"] == "chunk_cat_cuda_kernel"
+    assert first["next_frame"] == "optimizer/optimizer/newton_schulz.py:83 orthogonalise_wide_"
+    assert second["gap_ms"] == pytest.approx(18.0) and second["next_context"] == "bwd MulBackward0"
+    assert "20.00" in kernel_callers.format_idle(idle)
+
+
+def test_gpu_idle_without_kernels_is_zero():
+    assert kernel_callers.gpu_idle([_cpu("aten::mm", 0, 1, id=1)], steps=1)["idle_ms_per_step"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "name, frame",
+    [
+        ("/usr/lib/python3.12/site-packages/llm_training/layers/moe.py(230): _looped_matmul",
+         "llm_training/layers/moe.py:230 _looped_matmul"),
+        ("activations/activation/poly_norm.py(12): forward", "activations/activation/poly_norm.py:12 forward"),
+        ("torch/nn/modules/module.py(1775): _call_impl", None),
+        ("aten::mm", None),
+    ],
+)  # fmt: skip
+def test_our_frame(name, frame):
+    assert kernel_callers.our_frame(name) == frame
