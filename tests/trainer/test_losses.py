@@ -303,3 +303,62 @@ def test_compiled_chunk_arithmetic_matches_eager_cuda():
         results.append((total.detach(), sums, w1.grad.float(), torch.cat([h.grad for h in h1]).float()))
     for eager, comp in zip(*results):
         torch.testing.assert_close(comp, eager, rtol=2e-2, atol=1e-5)
+
+
+def test_head_grad_accumulator_hands_the_step_sum_once_on_the_last_micro_batch():
+    """Three micro-batches through one accumulator give the head weight the same gradient as three separate losses
+    (summed by autograd), but only the last backward hands it: the earlier ones leave `weight.grad` untouched. The
+    hidden gradients are each micro-batch's own. Between steps the accumulator holds nothing."""
+    from llm_training.trainer.losses import HeadGradAccumulator
+
+    micro = [_inputs(T=29, seed=s) for s in range(3)]
+    weight = micro[0][1].clone().requires_grad_()
+    ref_w = weight.detach().clone().requires_grad_()
+    ref_h = []
+    for hidden, _, labels in micro:
+        h = hidden.clone().requires_grad_()
+        linear_cross_entropy_segments([h], ref_w, [labels], [0.25], chunk_tokens=8)[0].backward()
+        ref_h.append(h.grad)
+    acc = HeadGradAccumulator()
+    for step in range(2):  # a second step starts from an empty sum
+        weight.grad = None
+        acc.begin_step()
+        for k, (hidden, _, labels) in enumerate(micro):
+            h = hidden.clone().requires_grad_()
+            last = k == len(micro) - 1
+            total, _ = linear_cross_entropy_segments(
+                [h], weight, [labels], [0.25], chunk_tokens=8, head_grad=acc.micro_batch(last)
+            )
+            total.backward()
+            assert (weight.grad is None) != last, (step, k)
+            torch.testing.assert_close(h.grad, ref_h[k], rtol=0, atol=0)
+            assert (acc.buffer_VH is None) == last
+        torch.testing.assert_close(weight.grad, ref_w.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_head_grad_accumulator_rejects_an_upstream_gradient_other_than_one():
+    """Each micro-batch's weight gradient is added into the sum unscaled, so a backward with another upstream
+    gradient (e.g. loss * 0.5) would be silently wrong: it is refused."""
+    from llm_training.trainer.losses import HeadGradAccumulator
+
+    hidden, weight, labels = _inputs()
+    weight.requires_grad_()
+    total, _ = linear_cross_entropy_segments([hidden], weight, [labels], [1.0], head_grad=HeadGradAccumulator())
+    with pytest.raises(RuntimeError, match="upstream gradient other than 1"):
+        (total * 0.5).backward()
+
+
+def test_head_grad_accumulator_names_a_sum_left_from_another_head():
+    """A partial sum of another shape (a step that raised between micro-batches, then a different model) is an
+    error that says how to avoid it, not a broadcast."""
+    from llm_training.trainer.losses import HeadGradAccumulator
+
+    acc = HeadGradAccumulator()
+    hidden, weight, labels = _inputs()
+    weight.requires_grad_()
+    linear_cross_entropy_segments([hidden], weight, [labels], [1.0], head_grad=acc.micro_batch(last=False))
+    other = torch.randn(weight.shape[0] + 1, weight.shape[1], requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"call begin_step\(\) before each optimizer step"):
+        linear_cross_entropy_segments([hidden], other, [labels.clamp(max=0)], [1.0], head_grad=acc.micro_batch(True))
+    acc.begin_step()
+    linear_cross_entropy_segments([hidden], other, [labels.clamp(max=0)], [1.0], head_grad=acc.micro_batch(True))
