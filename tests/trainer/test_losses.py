@@ -362,3 +362,35 @@ def test_head_grad_accumulator_names_a_sum_left_from_another_head():
         linear_cross_entropy_segments([hidden], other, [labels.clamp(max=0)], [1.0], head_grad=acc.micro_batch(True))
     acc.begin_step()
     linear_cross_entropy_segments([hidden], other, [labels.clamp(max=0)], [1.0], head_grad=acc.micro_batch(True))
+
+
+def _bf16_accumulated_case(device):
+    """Three bf16 micro-batches through a `HeadGradAccumulator` (on CUDA: each chunk's bf16 GEMM accumulating
+    into the step's fp32 buffer, later micro-batches included): the head weight's gradient, rounded to bf16 once,
+    is as close to the fp64 reference of the three summed losses as one micro-batch's is to its own (the bound of
+    `_bf16_case`)."""
+    from llm_training.trainer.losses import HeadGradAccumulator
+
+    micro = [_inputs(T=150, H=64, V=5000, seed=s) for s in range(3)]
+    w = micro[0][1].to(device, torch.bfloat16).requires_grad_()
+    w64 = w.detach().double().cpu().requires_grad_()
+    acc = HeadGradAccumulator()
+    acc.begin_step()
+    for k, (hidden, _, labels) in enumerate(micro):
+        h = hidden.to(device, torch.bfloat16)
+        total, _ = linear_cross_entropy_segments(
+            [h], w, [labels.to(device)], [1.0], chunk_tokens=128, head_grad=acc.micro_batch(k == 2)
+        )
+        total.backward()
+        _reference_ce_sum(h.double().cpu(), w64, labels).backward()
+    assert w.grad.dtype == torch.bfloat16 and _rel_err(w.grad, w64.grad) < 2e-2
+
+
+def test_bf16_head_grad_accumulation_close_to_fp64_reference_cpu():
+    _bf16_accumulated_case("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_head_grad_accumulation_close_to_fp64_reference_cuda():
+    _bf16_accumulated_case("cuda")
