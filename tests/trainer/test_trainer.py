@@ -195,9 +195,13 @@ def test_initial_load_path_sets_weights_when_no_checkpoint(make_config, tmp_path
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_fsdp_training_resumes_exactly(make_config):
-    """One GPU: FSDP2 (1 rank) bf16 params / fp32 master; stop + resume gives the same losses."""
+    """One GPU: FSDP2 (1 rank) bf16 params / fp32 master; stop + resume gives the same losses. Two micro-batches
+    per step: over one rank FSDP2 accumulates their gradients unsharded (bf16 from autograd, fp32 in FSDP2) and
+    reduces at the last one only, the path of every one-GPU benchmark, which a gradient handed in another dtype or
+    only by some micro-batches breaks (session 35: "FSDP reduce-scatter expects uniform gradient dtype")."""
     opts = (
         "--training.device=cuda",
+        "--training.global_batch_size=4",  # local 2: two micro-batches
         "--training.mixed_precision_param=bfloat16",
         "--training.steps=4",
         "--checkpoint.interval=2",
