@@ -27,7 +27,7 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable
 
-from kernel_groups import charged_kernel_events
+from kernel_groups import charged_kernel_events, classify_kernel
 
 FRAME = re.compile(r"^(?P<path>.+?\.py)\((?P<line>\d+)\): (?P<func>.+)$")
 # the packages whose frames name a caller (innermost first wins); the harness's own frames are never the answer
@@ -35,6 +35,7 @@ OUR_CODE = ("llm_training/", "optimizer/optimizer/", "activations/activation/")
 BACKWARD_NODE = re.compile(r"^autograd::engine::evaluate_function: (\S+)")
 CONTEXT_RANGE = re.compile(r"^(FSDP::|Optimizer\.step#|## Call CompiledFxGraph|CompiledFunction|Torch-Compiled Region)")
 CONTEXT_DEPTH = 2  # ranges kept per op, innermost first
+OPTIMIZER_CONTEXT = re.compile(r"Optimizer\.step#(\w+)\.step")
 
 
 def our_frame(name: str) -> str | None:
@@ -86,7 +87,9 @@ class _Launchers:
 
     def __init__(self, events: list):
         cpu = [e for e in events if not str(getattr(e, "device_type", "")).endswith(("CUDA", "PrivateUse1"))]
-        self.by_id = {e.id: e for e in cpu if getattr(e, "id", None) is not None}
+        # the ops a kernel can name: frontend events (no link of their own; the CUDA runtime's launch events link to
+        # an op and carry CUPTI's correlation ids, another numbering that must not shadow the ops' ids)
+        self.by_id = {e.id: e for e in cpu if getattr(e, "id", 0) and not getattr(e, "linked_correlation_id", 0)}
         self.forward_frame: dict[tuple, str] = {}
         for e in sorted(cpu, key=lambda e: e.time_range.start):  # outer ops first: they name the node's creator
             seq = getattr(e, "sequence_nr", -1)
@@ -101,7 +104,8 @@ class _Launchers:
         self._labels: dict[int, tuple[str, str, str]] = {}
 
     def op_of(self, kernel):
-        return self.by_id.get(getattr(kernel, "linked_correlation_id", None))
+        linked = getattr(kernel, "linked_correlation_id", 0)
+        return self.by_id.get(linked) if linked else None
 
     def label(self, op) -> tuple[str, str, str]:
         """(op name, context, frame) of a launching op ("" where unknown)."""
@@ -121,16 +125,29 @@ def _shapes(op) -> str:
 
 def kernel_callers(events: Iterable, steps: int, n: int = 60) -> list[dict]:
     """The n (group, op, context, frame, shapes) rows with the most kernel time per step, largest first; kernels
-    whose launching op the profile does not link are one row per group with op `?`."""
+    whose launching op the profile does not link are one row per group with op `?`. Where no kernel event carries
+    a link (a profiler without `linked_correlation_id`), each op's own `kernels` list is charged instead (its
+    group from the kernel's name, or the optimizer whose step range encloses the op)."""
     events = list(events)
     launchers = _Launchers(events)
     totals: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
-    for kernel, group in charged_kernel_events(events):
-        op = launchers.op_of(kernel)
-        key = (group, *launchers.label(op), _shapes(op)) if op is not None else (group, "?", "", "", "")
-        entry = totals[key]
-        entry[0] += (kernel.time_range.end - kernel.time_range.start) / 1e3
-        entry[1] += 1
+    charged = charged_kernel_events(events)
+    if any(getattr(k, "linked_correlation_id", 0) for k, _ in charged):
+        for kernel, group in charged:
+            op = launchers.op_of(kernel)
+            key = (group, *launchers.label(op), _shapes(op)) if op is not None else (group, "?", "", "", "")
+            entry = totals[key]
+            entry[0] += (kernel.time_range.end - kernel.time_range.start) / 1e3
+            entry[1] += 1
+    else:  # a profiler whose kernel events carry no link: each op's own list of the kernels it launched
+        for op in launchers.by_id.values():
+            for k in getattr(op, "kernels", None) or ():
+                label = launchers.label(op)
+                in_optimizer = OPTIMIZER_CONTEXT.search(label[1])
+                group = f"optimizer: {in_optimizer[1]}" if in_optimizer else classify_kernel(k.name)
+                entry = totals[(group, *label, _shapes(op))]
+                entry[0] += k.duration / 1e3
+                entry[1] += 1
     rows = [
         {
             "group": g, "op": op, "context": ctx, "frame": frame, "shapes": shapes,

@@ -44,7 +44,10 @@ def _trace():
     opt = _cpu("Optimizer.step#Muon.step", 50_000, 60_000, trainer)
     ns_frame = _cpu("/x/optimizer/optimizer/newton_schulz.py(83): orthogonalise_wide_", 50_000, 60_000, opt)
     bmm = _cpu("aten::bmm", 50_000, 51_000, ns_frame, id=4)
-    cpu = [step, trainer, loss, mm, node, engine_frame, mul, fsdp, cat, opt, ns_frame, bmm]
+    # the CUDA runtime's launch event of the mm: CUPTI's correlation id 3 (the _chunk_cat's op id too), linked to op 1
+    launch = _cpu("cudaLaunchKernel", 100, 120, mm, id=3)
+    launch.linked_correlation_id = 1
+    cpu = [step, trainer, loss, mm, node, engine_frame, mul, fsdp, cat, opt, ns_frame, bmm, launch]
     gpu = [
         _kernel("nvjet_sm90_tst_fwd", 1_000, 4_000, mm),  # 3 ms
         _kernel("elementwise_kernel<MulFunctor<float>>", 22_000, 24_000, mul),  # 2 ms, after an 18 ms gap
@@ -112,3 +115,17 @@ def test_gpu_idle_without_kernels_is_zero():
 )  # fmt: skip
 def test_our_frame(name, frame):
     assert kernel_callers.our_frame(name) == frame
+
+
+def test_without_kernel_links_each_op_charges_its_own_kernels():
+    """A profiler whose kernel events carry no link: the ops' `kernels` lists give the same rows (the optimizer's
+    from its step range around the op)."""
+    events = [e for e in _trace() if not str(e.device_type).endswith("CUDA")]
+    by_name = {e.name: e for e in events}
+    kernel = lambda name, us: SimpleNamespace(name=name, device=0, duration=us)
+    by_name["aten::mul"].kernels = [kernel("elementwise_kernel<MulFunctor<float>>", 2000)] * 2
+    by_name["aten::bmm"].kernels = [kernel("nvjet_sm90_tst_ns", 4000)]
+    rows = {r["op"]: r for r in kernel_callers.kernel_callers(events, steps=2)}
+    assert rows["aten::mul"]["ms_per_step"] == pytest.approx(2.0) and rows["aten::mul"]["launches_per_step"] == 1.0
+    assert rows["aten::mul"]["frame"] == "bwd of llm_training/trainer/losses.py:124 forward"
+    assert rows["aten::bmm"]["group"] == "optimizer: Muon" and rows["aten::bmm"]["ms_per_step"] == pytest.approx(2.0)
