@@ -91,16 +91,15 @@ class _Launchers:
         # an op and carry CUPTI's correlation ids, another numbering that must not shadow the ops' ids)
         self.by_id = {e.id: e for e in cpu if getattr(e, "id", 0) and not getattr(e, "linked_correlation_id", 0)}
         self.forward_frame: dict[tuple, str] = {}
-        for e in sorted(cpu, key=lambda e: e.time_range.start):  # outer ops first: they name the node's creator
+        # Every op records the sequence number the next autograd node will take, and the node's creator is the
+        # last op to start before the number moves on: in time order, later ops overwrite earlier ones.
+        for e in sorted(cpu, key=lambda e: e.time_range.start):
             seq = getattr(e, "sequence_nr", -1)
             if seq is None or seq < 0 or e.name.startswith("autograd::"):
                 continue
-            key = (seq, getattr(e, "thread", None))
-            if key in self.forward_frame:
-                continue
             _, frame, node = _label(e)
             if node is None and frame is not None:
-                self.forward_frame[key] = frame
+                self.forward_frame[(seq, getattr(e, "thread", None))] = frame
         self._labels: dict[int, tuple[str, str, str]] = {}
 
     def op_of(self, kernel):

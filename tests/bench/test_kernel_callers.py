@@ -129,3 +129,35 @@ def test_without_kernel_links_each_op_charges_its_own_kernels():
     assert rows["aten::mul"]["ms_per_step"] == pytest.approx(2.0) and rows["aten::mul"]["launches_per_step"] == 1.0
     assert rows["aten::mul"]["frame"] == "bwd of llm_training/trainer/losses.py:124 forward"
     assert rows["aten::bmm"]["group"] == "optimizer: Muon" and rows["aten::bmm"]["ms_per_step"] == pytest.approx(2.0)
+
+
+def test_labels_of_a_real_cpu_profile():
+    """The profiler's own events (CPU, shapes and stacks) for our chunked loss, forward and backward: forward ops
+    name our function; ops of our autograd Function's backward name that backward; ops of a C++ backward node
+    (the reshape's ViewBackward0) name the forward function that created the node."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from llm_training.trainer.losses import linear_cross_entropy_sum
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(12, 8, generator=g, requires_grad=True)
+    w = torch.randn(20, 8, generator=g, requires_grad=True)
+    y = torch.randint(0, 20, (12,), generator=g)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
+        linear_cross_entropy_sum(h.view(3, 4, 8), w, y.view(3, 4), chunk_tokens=4).backward()
+    events = list(prof.events())
+    launchers = kernel_callers._Launchers(events)
+    labels = {launchers.label(e) for e in events if e.name.startswith("aten::")}
+    assert any(
+        op == "aten::mm" and not ctx and frame.startswith("llm_training/trainer/losses.py:")
+        for op, ctx, frame in labels
+    )
+    assert any(
+        op == "aten::mul" and ctx == "bwd _ChunkedLinearCrossEntropyBackward" and frame.endswith(" backward")
+        for op, ctx, frame in labels
+    ), sorted(labels)
+    assert any(
+        ctx == "bwd ViewBackward0" and frame.startswith("bwd of llm_training/trainer/losses.py:")
+        for _, ctx, frame in labels
+    ), sorted(labels)
