@@ -10,9 +10,8 @@ kernel to that op by correlation id) and labels the op with:
   optimizer's step (`Optimizer.step#Muon.step`), a compiled graph's call;
 - `frame`: the innermost function of our own code (llm_training, the optimizer and activation packages) above the
   op, as `file:line name` with the line where the function starts, when the profile was taken `with_stack=True`
-  (the Python calls are then the op's ancestors). An op inside a
-  backward node has no frame of its own below the node; it gets the frame of the forward op that created the node
-  (same sequence number), written `bwd of <frame>`.
+  (the Python calls are then the op's ancestors). An op inside a backward node has no frame of its own below the
+  node; it gets the frame of the forward op that created the node (same sequence number), written `bwd of <frame>`.
 Rows (group, op, context, frame, input shapes) with ms and launches per step, largest first: enough to tell which
 of our lines launches, say, a 2 ms fp32 multiply per micro-batch.
 
@@ -100,7 +99,7 @@ class _Launchers:
             _, frame, node = _label(e)
             if node is None and frame is not None:
                 self.forward_frame[(seq, getattr(e, "thread", None))] = frame
-        self._labels: dict[int, tuple[str, str, str]] = {}
+        self._labels: dict[int, tuple[str, str, str]] = {}  # by the op event's identity
 
     def op_of(self, kernel):
         linked = getattr(kernel, "linked_correlation_id", 0)
@@ -108,13 +107,13 @@ class _Launchers:
 
     def label(self, op) -> tuple[str, str, str]:
         """(op name, context, frame) of a launching op ("" where unknown)."""
-        if op.id not in self._labels:
+        if id(op) not in self._labels:
             context, frame, node = _label(op)
             if frame is None and node is not None:
                 fwd = self.forward_frame.get((getattr(node, "sequence_nr", -1), getattr(node, "fwd_thread", None)))
                 frame = f"bwd of {fwd}" if fwd else None
-            self._labels[op.id] = (op.name, context, frame or "")
-        return self._labels[op.id]
+            self._labels[id(op)] = (op.name, context, frame or "")
+        return self._labels[id(op)]
 
 
 def _shapes(op) -> str:
