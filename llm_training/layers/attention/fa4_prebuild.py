@@ -49,8 +49,7 @@ import subprocess
 import sys
 import threading
 import time
-import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -120,7 +119,7 @@ def side_process_plans(plan: PrebuildPlan) -> list[PrebuildPlan]:
     groups: dict[tuple, list[Fa4AttentionKind]] = {}
     for kind in plan.kinds:
         groups.setdefault((kind.n_heads, kind.n_kv_heads, kind.d_qk, kind.d_v, kind.window is None), []).append(kind)
-    return [dataclasses.replace(plan, kinds=kinds) for kinds in groups.values()]
+    return [replace(plan, kinds=kinds) for kinds in groups.values()]
 
 
 def fa4_attention_kinds(model: torch.nn.Module, device: torch.device) -> list[Fa4AttentionKind]:
@@ -281,8 +280,11 @@ class Fa4Prebuild:
             states = list(self.kernels.values())
             own = [(key, key in self.kernels) for key in self.unbuilt_at_first_call]
         running = ["still running" if p.poll() is None else f"exited {p.returncode}" for p in self.processes]
-        processes = f"side process {running[0]}" if len(running) == 1 else f"{len(running)} side processes: "
-        processes += ", ".join(running) if len(running) > 1 else ""
+        processes = (
+            f"side process {running[0]}"
+            if len(running) == 1
+            else f"{len(running)} side processes: {', '.join(running)}"
+        )
         built = states.count("built")
         building = len(states) - built
         line = f"{len(states)} kernels announced ({built} built, {building} building; {processes})"
@@ -335,12 +337,13 @@ def start_fa4_prebuild(model: torch.nn.Module, job_config, parallel_dims, device
         kinds=kinds,
         many_documents=t.local_batch_size * t.seq_len >= MANY_DOCUMENTS_MIN_TOKENS,
     )
+    prebuild = Fa4Prebuild(plan)
     logger.info(
         "flash-attn-4: building the kernels of %d attention kind(s) in %d side process(es) while the step compiles",
         len(kinds),
-        len(side_process_plans(plan)),
+        len(prebuild.processes),
     )
-    return Fa4Prebuild(plan)
+    return prebuild
 
 
 def document_layout(documents: int, row_tokens: int) -> tuple[int, torch.Tensor]:
