@@ -61,9 +61,34 @@ def _no_leaked_allocator_settings():
         os.environ.pop(name, None)
 
 
+def _forget_in_memory_triton_builds(monkeypatch) -> None:
+    """Every Triton kernel of ours already imported gets an empty in-memory build cache for the test (restored after).
+
+    A `JITFunction` keeps each specialization it built in memory and neither builds it again nor calls the compile
+    hook the prebuild captures with; so whether a test sees a build submitted would depend on which tests its
+    process ran before (the whole GPU suite on an H100 failed so, 2026-12-07: another test had built the bf16
+    `_rms_bwd_dw_kernel` in the same xdist worker)."""
+    import sys
+    from collections import defaultdict
+
+    from triton.runtime.jit import JITFunction
+
+    for name, module in list(sys.modules.items()):
+        if module is None or name.partition(".")[0] not in ("activation", "llm_training"):
+            continue
+        for value in list(vars(module).values()):
+            for _wrapper in range(3):  # an autotuned or heuristics kernel wraps its JITFunction in `.fn`
+                if isinstance(value, JITFunction) or not hasattr(value, "fn"):
+                    break
+                value = value.fn
+            if isinstance(value, JITFunction):
+                monkeypatch.setattr(value, "device_caches", defaultdict(value.create_binder))
+
+
 @pytest.fixture
 def triton_prebuild_stub(tmp_path, monkeypatch):
-    """An active `activation.triton_prebuild` with one worker and a fresh Triton cache; on a machine without a GPU,
+    """An active `activation.triton_prebuild` with one worker and a fresh Triton cache, on disk and in memory (see
+    `_forget_in_memory_triton_builds`); on a machine without a GPU,
     a stub Triton driver (current device, stream, and an SM90 target: all a launch's specialization needs; Triton
     builds for SM90 with its bundled ptxas without a GPU). Yields (prebuild, "hit" / "build" for each compile that
     Triton's compile listener reports in this process). Skips without triton."""
@@ -76,6 +101,7 @@ def triton_prebuild_stub(tmp_path, monkeypatch):
     from triton.runtime import driver
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    _forget_in_memory_triton_builds(monkeypatch)
     previous_driver = driver._active
     if not torch.cuda.is_available():
         driver.set_active(
