@@ -18,6 +18,10 @@ On CUDA with bf16 inputs both GEMMs that touch fp32 do so inside cuBLAS: the log
 GEMM in fp32 (`mm(..., out_dtype=float32)`, fp32 accumulation, no bf16 logits and no cast copy), and each
 chunk's weight gradient is accumulated into the fp32 buffer by the GEMM itself (`baddbmm(acc, g^T, h,
 out_dtype=float32, out=acc)`: C = acc, beta = 1), with no per-chunk bf16 product, fp32 cast copy or `+=`.
+Over the micro-batches of one optimizer step the training step lets the loss keep that buffer
+(`HeadGradAccumulator`): the micro-batches' chunk GEMMs accumulate into it, and the head weight gets two gradients
+per step (the sum up to the second-to-last micro-batch, then the last one's) instead of one per micro-batch, each
+cast to the weight's dtype and then cast back and added into FSDP2's or autograd's fp32 accumulator.
 Where torch lacks those mixed-dtype GEMMs (CPU, or a torch whose CUDA build rejects them; probed once per
 device) the chunk falls back to a bf16 GEMM, a cast and an fp32 add. Between the GEMMs, a chunk's CE and its
 weighted logit gradient come from one Triton kernel on CUDA (`cross_entropy_kernels`: two fp32 reads and one
@@ -89,6 +93,44 @@ def _fp32_out_gemms(device: torch.device) -> bool:
     return bool(torch.allclose(acc[0], ref + 1, atol=1e-3) and torch.allclose(logits, ref, atol=1e-3))
 
 
+class HeadGradAccumulator:
+    """Sums the head weight's gradient over one optimizer step's micro-batches in the loss's own fp32 [V, H] buffer,
+    and hands autograd two gradients per step: the sum of all micro-batches but the last, in the backward of the
+    second-to-last, and the last micro-batch's own.
+
+    Without it each micro-batch's backward hands autograd a [V, H] gradient in the weight's dtype (a scale-and-cast
+    pass over the fp32 buffer), which FSDP2 (or autograd) casts back and adds into an fp32 accumulator (one more
+    pass, a third for the add). With it the chunk GEMMs of the micro-batches before the second-to-last's hand-over
+    accumulate into one buffer (the GEMM's C = buffer, beta = 1: no extra pass): at 4 micro-batches, 2 scale-and-cast
+    passes, 1 cast and 1 add per step instead of 4, 1 and 3, and with several data ranks 2 reductions of the head's
+    gradient instead of 4.
+
+    Why not one hand-over at the last micro-batch: over one rank FSDP2 defers the reduction to the last micro-batch
+    and keeps the earlier micro-batches' gradients in its reduce dtype (fp32), and it reduces a group only if all of
+    its gradients share one dtype. A head gradient handed at the last micro-batch only is still in the weight's dtype
+    (bf16) beside the group's fp32 sums: FSDP2 asserts ("FSDP reduce-scatter expects uniform gradient dtype", one
+    H100, session 35). Handed one micro-batch earlier, FSDP2 holds it in fp32 like the rest.
+
+    The training step's contract: `begin_step()` before a step; `micro_batch(index, count)` before each
+    micro-batch's forward loss, whose total is back-propagated with upstream gradient 1 (checked on the device)
+    before the next micro-batch's forward. Between steps it holds nothing."""
+
+    def __init__(self):
+        self.buffer_VH: torch.Tensor | None = None  # the fp32 sum of the step's micro-batches not yet handed over
+        self.hand_over = True  # this micro-batch's backward hands the sum (its own gradient included) to autograd
+
+    def begin_step(self) -> None:
+        """Forget any partial sum (a step that raised between micro-batches)."""
+        self.buffer_VH = None
+
+    def micro_batch(self, index: int, count: int) -> HeadGradAccumulator:
+        """Mark micro-batch `index` of the step's `count`; returns self for `forward_loss(head_grad=...)`."""
+        if not 0 <= index < count:
+            raise ValueError(f"micro-batch {index} of {count}")
+        self.hand_over = index >= count - 2
+        return self
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """(sum_t w_t CE_t, per-segment sums of CE_t) for CE_t = CE(hidden[t] @ weight.T, labels[t]) over labels
     != -100, chunked over tokens. `segment_ends` cut the tokens into segments (main head, MTP heads);
@@ -103,8 +145,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_TH, weight_VH, labels_T, token_weight_T, segment_ends, chunk_tokens, compiled):
+    def forward(ctx, hidden_TH, weight_VH, labels_T, token_weight_T, segment_ends, chunk_tokens, compiled, head_grad):
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        head_grad = head_grad if needs_grad and ctx.needs_input_grad[1] else None
         chunk_fn = _chunk_function(hidden_TH.device, compiled)
         mm_dtype = hidden_TH.dtype
         w_VH = weight_VH.to(mm_dtype)
@@ -112,9 +155,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         T = hidden_TH.shape[0]
         ce_T = torch.empty(T, dtype=torch.float32, device=hidden_TH.device)
         grad_hidden_TH = torch.empty_like(hidden_TH) if needs_grad else None
-        grad_weight_VH = (
-            torch.empty(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if needs_grad else None
-        )
+        partial_sum = head_grad.buffer_VH if head_grad is not None else None  # earlier micro-batches of the step
+        if partial_sum is not None and partial_sum.shape != weight_VH.shape:
+            raise RuntimeError(
+                f"HeadGradAccumulator holds a {tuple(partial_sum.shape)} sum for a {tuple(weight_VH.shape)} head: "
+                "call begin_step() before each optimizer step"
+            )
+        if partial_sum is not None or not needs_grad:
+            grad_weight_VH = partial_sum
+        else:
+            grad_weight_VH = torch.empty(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
         for start in range(0, T, chunk_tokens):
             stop = min(start + chunk_tokens, T)
             h_CH = hidden_TH[start:stop]
@@ -127,10 +177,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if not needs_grad:
                 continue
             torch.mm(g_CV, w_VH, out=grad_hidden_TH[start:stop])
-            _accumulate_weight_grad(grad_weight_VH, g_CV.t(), h_CH, first=start == 0, fp32_out=fp32_out)
+            first = start == 0 and partial_sum is None
+            _accumulate_weight_grad(grad_weight_VH, g_CV.t(), h_CH, first=first, fp32_out=fp32_out)
             del g_CV
         if needs_grad:
-            ctx.save_for_backward(grad_hidden_TH, grad_weight_VH)
+            # with an accumulator, only the hand-over micro-batches give the weight a gradient (the sum so far)
+            ctx.hands_weight_grad = head_grad is None or head_grad.hand_over
+            ctx.accumulates = head_grad is not None
+            if head_grad is not None:
+                head_grad.buffer_VH = None if head_grad.hand_over else grad_weight_VH
+            ctx.save_for_backward(grad_hidden_TH, grad_weight_VH if ctx.hands_weight_grad else None)
             ctx.weight_dtype = weight_VH.dtype
         total = (ce_T * token_weight_T).sum()
         bounds = [0, *segment_ends]
@@ -141,11 +197,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_per_segment):
         grad_hidden_TH, grad_weight_VH = ctx.saved_tensors
+        if ctx.accumulates:  # the sum over micro-batches is only right if each one is back-propagated with 1
+            torch._assert_async(
+                grad_total == 1, "HeadGradAccumulator: a micro-batch's loss total was back-propagated with an "
+                "upstream gradient other than 1; call backward() on the total itself"
+            )  # fmt: skip
         g_h = (grad_hidden_TH * grad_total.to(grad_hidden_TH.dtype)) if ctx.needs_input_grad[0] else None
         g_w = None
-        if ctx.needs_input_grad[1]:  # scale and cast in one kernel
+        if ctx.needs_input_grad[1] and ctx.hands_weight_grad:  # scale and cast in one kernel
             g_w = torch.mul(grad_weight_VH, grad_total, out=torch.empty_like(grad_weight_VH, dtype=ctx.weight_dtype))
-        return g_h, g_w, None, None, None, None, None
+        return g_h, g_w, None, None, None, None, None, None
 
 
 def _accumulate_weight_grad(acc_VH: torch.Tensor, g_VC: torch.Tensor, h_CH: torch.Tensor, first: bool, fp32_out: bool):
@@ -199,13 +260,15 @@ def linear_cross_entropy_segments(
     weights: list[torch.Tensor | float],
     chunk_tokens: int | None = None,
     compiled: bool = False,
+    head_grad: HeadGradAccumulator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass over the head weight for several loss terms sharing it (main head + MTP heads).
 
     Term s: hidden `hiddens[s]` [..., H], labels `labels[s]` [...] (long, -100 = ignore), weight `weights[s]`
     (float or 0-dim tensor). Returns (sum_s weights[s] * CE_sum_s, a differentiable fp32 0-dim tensor; the
     per-term sums CE_sum_s, fp32 [S], detached). Same value and gradients as the weighted sum of separate
-    `linear_cross_entropy_sum` calls, up to fp32 summation order.
+    `linear_cross_entropy_sum` calls, up to fp32 summation order. `head_grad`: the step's accumulator of the head
+    weight's gradient over micro-batches (`HeadGradAccumulator`), or None (each call hands its own gradient).
     """
     if not (len(hiddens) == len(labels) == len(weights)) or not hiddens:
         raise ValueError(f"{len(hiddens)} hidden tensors, {len(labels)} label tensors and {len(weights)} weights")
@@ -225,7 +288,7 @@ def linear_cross_entropy_segments(
     if not torch.is_grad_enabled():  # no backward will follow (evaluation): skip the gradients forward precomputes
         hidden_TH, weight_VH = hidden_TH.detach(), weight_VH.detach()
     return _ChunkedLinearCrossEntropy.apply(
-        hidden_TH, weight_VH, labels_T, token_weight_T, tuple(ends), chunk, compiled
+        hidden_TH, weight_VH, labels_T, token_weight_T, tuple(ends), chunk, compiled, head_grad
     )
 
 
@@ -286,12 +349,14 @@ def forward_loss(
     mtp_loss_weight: float,
     balance_scale: float,
     compiled: bool = False,
+    head_grad: HeadGradAccumulator | None = None,
 ):
     """(model output, StepLoss) of one prepared micro-batch (`trainer.batch.PreparedBatch`, on the CPU) moved to
     `device`: the forward with the hidden states the fused loss needs, then `micro_batch_loss`. The training step
     and the validator both run a micro-batch through this. `attention_document_ids`: the whole sequences' document
     ids under context parallelism (`shard_batch`), else None. `head_weight(model)` gives the output projection
-    (`ModelSpec.head_weight`); it is read AFTER the forward, when FSDP2 has gathered it (before, it is a shard)."""
+    (`ModelSpec.head_weight`); it is read AFTER the forward, when FSDP2 has gathered it (before, it is a shard).
+    `head_grad`: the training step's `HeadGradAccumulator`, marked for this micro-batch."""
     b = cpu_batch.map(lambda x: x.to(device, non_blocking=True))
     if attention_document_ids is not None:
         attention_document_ids = attention_document_ids.to(device, non_blocking=True)
@@ -304,7 +369,15 @@ def forward_loss(
         attention_document_ids=attention_document_ids,
     )
     loss = micro_batch_loss(
-        out, head_weight(model), b.labels, b.mtp_labels, normalisers, mtp_loss_weight, balance_scale, compiled=compiled
+        out,
+        head_weight(model),
+        b.labels,
+        b.mtp_labels,
+        normalisers,
+        mtp_loss_weight,
+        balance_scale,
+        compiled=compiled,
+        head_grad=head_grad,
     )
     return out, loss
 
@@ -319,13 +392,15 @@ def micro_batch_loss(
     balance_scale: float,
     chunk_tokens: int | None = None,
     compiled: bool = False,
+    head_grad: HeadGradAccumulator | None = None,
 ) -> StepLoss:
     """CE/N_main + mtp_loss_weight * mean_k(MTP_k/N_k) + balance_scale * out.balance_loss.
 
     `out` is the model output of `forward(..., return_hidden=True)`; `mtp_labels[k]` the targets of MTP module k
     (`PreparedBatch.mtp_labels`, already masked per document); `normalisers` the global labelled token counts
     from `count_labelled_tokens` summed over micro-batches and data ranks (clamped >= 1); `balance_scale` =
-    1 / (micro-batches x data ranks), so the balance term adds up to its global mean.
+    1 / (micro-batches x data ranks), so the balance term adds up to its global mean. `head_grad`: see
+    `linear_cross_entropy_segments`.
     """
     norms = normalisers.clamp(min=1).float()
     mtp_hidden = out.mtp_hidden or []
@@ -335,7 +410,13 @@ def micro_batch_loss(
     # main CE / N_main + mtp_loss_weight * mean_k(MTP_k / N_k): one chunked pass over the head weight for all
     weights = [1.0 / norms[0]] + [mtp_loss_weight / (k * norms[i + 1]) for i in range(k)]
     total, sums = linear_cross_entropy_segments(
-        [out.hidden, *mtp_hidden], lm_head_weight, [labels_BS, *mtp_labels[:k]], weights, chunk_tokens, compiled
+        [out.hidden, *mtp_hidden],
+        lm_head_weight,
+        [labels_BS, *mtp_labels[:k]],
+        weights,
+        chunk_tokens,
+        compiled,
+        head_grad,
     )
     ce = sums[0] / norms[0]
     mtp = (sums[1:] / norms[1:]).mean() if k else torch.zeros((), device=ce.device)

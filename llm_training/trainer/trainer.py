@@ -63,7 +63,12 @@ from llm_training.trainer.checkpoint import (
 )
 from llm_training.trainer.components import build_components
 from llm_training.trainer.hf_export import export_hf_snapshot, hf_export_due
-from llm_training.trainer.losses import count_labelled_tokens, forward_loss, prebuild_chunk_kernel
+from llm_training.trainer.losses import (
+    HeadGradAccumulator,
+    count_labelled_tokens,
+    forward_loss,
+    prebuild_chunk_kernel,
+)
 from llm_training.trainer.metrics import MFU_CONVENTIONS, MetricsLogger, SourceTokenCounts, StepRecord
 from llm_training.trainer.profiling import StepProfiler
 from llm_training.trainer.resume import reapply_lr_schedule, warn_changed_config
@@ -276,6 +281,7 @@ class Trainer:
         self.hooks = spec.build_step_hooks(self.model, self.model_args, c)
         self.num_mtp = spec.num_mtp_modules(self.model_args)
         self.compile_loss = c.compile.enable and "loss" in c.compile.components
+        self.head_grad = HeadGradAccumulator()  # the head weight's gradient, summed over a step's micro-batches
         if self.triton_prebuild is not None:  # the loss runs eagerly: its kernel is announced here
             prebuild_chunk_kernel(self.model_args.vocab_size, getattr(torch, t.mixed_precision_param))
 
@@ -396,6 +402,7 @@ class Trainer:
         balance_scale = 1.0 / (len(batches) * self.dp_size)
         parts = torch.zeros(4, dtype=torch.float64, device=self.device)  # total, ce, mtp, balance
         stats: dict[str, StepStat] = {}
+        self.head_grad.begin_step()
         for k, (cpu_batch, attention_docs) in enumerate(local):
             self.parallel.set_gradient_sync(last_micro_batch=k == len(batches) - 1)
             out, loss = forward_loss(
@@ -408,6 +415,7 @@ class Trainer:
                 t.mtp_loss_weight,
                 balance_scale,
                 compiled=self.compile_loss,
+                head_grad=self.head_grad.micro_batch(k, len(batches)),
             )
             accumulate_stats(stats, self.hooks.forward_stats(out))
             loss.total.backward()

@@ -303,3 +303,151 @@ def test_compiled_chunk_arithmetic_matches_eager_cuda():
         results.append((total.detach(), sums, w1.grad.float(), torch.cat([h.grad for h in h1]).float()))
     for eager, comp in zip(*results):
         torch.testing.assert_close(comp, eager, rtol=2e-2, atol=1e-5)
+
+
+def test_head_grad_accumulator_hands_two_gradients_per_step():
+    """Four micro-batches through one accumulator give the head weight the same gradient as four separate losses
+    (summed by autograd). Only two backwards hand it one: the third (the sum of micro-batches 1 to 3) and the last
+    (its own); the first two leave `weight.grad` untouched. The hidden gradients are each micro-batch's own.
+    Between steps the accumulator holds nothing."""
+    from llm_training.trainer.losses import HeadGradAccumulator
+
+    micro = [_inputs(T=29, seed=s) for s in range(4)]
+    weight = micro[0][1].clone().requires_grad_()
+    ref_w = weight.detach().clone().requires_grad_()
+    ref_h, ref_after = [], []
+    for hidden, _, labels in micro:
+        h = hidden.clone().requires_grad_()
+        linear_cross_entropy_segments([h], ref_w, [labels], [0.25], chunk_tokens=8)[0].backward()
+        ref_h.append(h.grad)
+        ref_after.append(ref_w.grad.clone())
+    acc = HeadGradAccumulator()
+    for step in range(2):  # a second step starts from an empty sum
+        weight.grad = None
+        acc.begin_step()
+        for k, (hidden, _, labels) in enumerate(micro):
+            h = hidden.clone().requires_grad_()
+            total, _ = linear_cross_entropy_segments(
+                [h], weight, [labels], [0.25], chunk_tokens=8, head_grad=acc.micro_batch(k, len(micro))
+            )
+            total.backward()
+            torch.testing.assert_close(h.grad, ref_h[k], rtol=0, atol=0)
+            if k < 2:
+                assert weight.grad is None and acc.buffer_VH is not None, (step, k)
+            else:  # after the hand-overs autograd holds every micro-batch so far
+                torch.testing.assert_close(weight.grad, ref_after[k], rtol=1e-6, atol=1e-7)
+                assert acc.buffer_VH is None
+    with pytest.raises(ValueError, match="micro-batch 4 of 4"):
+        acc.micro_batch(4, 4)
+
+
+def test_head_grad_accumulation_under_fsdp2_deferred_bf16_reduction():
+    """FSDP2 over one rank with bf16 parameters and fp32 reduction, gradient sync at the last of three micro-batches
+    (the one-GPU training setup, here on gloo): the root group holds a norm beside the head. FSDP2 keeps the earlier
+    micro-batches' gradients in fp32 and reduces a group only if its gradients share one dtype; the head's gradient,
+    handed at the second-to-last micro-batch, is among them (handed only at the last, it was bf16 beside the norm's
+    fp32 sum: "FSDP reduce-scatter expects uniform gradient dtype", session 35). The result matches the same three
+    micro-batches without the accumulator to bf16 rounding of the per-micro-batch gradients."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from llm_training.trainer.losses import HeadGradAccumulator
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.Linear(8, 8)
+            self.head = nn.Parameter(torch.randn(16, 8, generator=torch.Generator().manual_seed(0)))
+
+        def forward(self, x):
+            return self.norm(x)
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        g = torch.Generator().manual_seed(1)
+        data = [(torch.randn(5, 8, generator=g), torch.randint(0, 16, (5,), generator=g)) for _ in range(3)]
+        grads = []
+        for accumulate in (False, True):
+            torch.manual_seed(0)
+            model = Root()
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
+            acc = HeadGradAccumulator() if accumulate else None
+            for k, (x, y) in enumerate(data):
+                last = k == len(data) - 1
+                model.set_requires_gradient_sync(last)
+                model.set_reshard_after_backward(last)
+                head_grad = acc.micro_batch(k, len(data)) if acc else None
+                total, _ = linear_cross_entropy_segments([model(x)], model.head, [y], [1.0], head_grad=head_grad)
+                total.backward()
+            assert model.head.grad.dtype == torch.float32
+            grads.append(model.head.grad.full_tensor())
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-2, atol=1e-2)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def test_head_grad_accumulator_rejects_an_upstream_gradient_other_than_one():
+    """Each micro-batch's weight gradient is added into the sum unscaled, so a backward with another upstream
+    gradient (e.g. loss * 0.5) would be silently wrong: it is refused."""
+    from llm_training.trainer.losses import HeadGradAccumulator
+
+    hidden, weight, labels = _inputs()
+    weight.requires_grad_()
+    total, _ = linear_cross_entropy_segments([hidden], weight, [labels], [1.0], head_grad=HeadGradAccumulator())
+    with pytest.raises(RuntimeError, match="upstream gradient other than 1"):
+        (total * 0.5).backward()
+
+
+def test_head_grad_accumulator_names_a_sum_left_from_another_head():
+    """A partial sum of another shape (a step that raised between micro-batches, then a different model) is an
+    error that says how to avoid it, not a broadcast."""
+    from llm_training.trainer.losses import HeadGradAccumulator
+
+    acc = HeadGradAccumulator()
+    hidden, weight, labels = _inputs()
+    weight.requires_grad_()
+    linear_cross_entropy_segments([hidden], weight, [labels], [1.0], head_grad=acc.micro_batch(0, 4))
+    other = torch.randn(weight.shape[0] + 1, weight.shape[1], requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"call begin_step\(\) before each optimizer step"):
+        linear_cross_entropy_segments([hidden], other, [labels.clamp(max=0)], [1.0], head_grad=acc.micro_batch(1, 4))
+    acc.begin_step()
+    linear_cross_entropy_segments([hidden], other, [labels.clamp(max=0)], [1.0], head_grad=acc.micro_batch(1, 4))
+
+
+def _bf16_accumulated_case(device):
+    """Three bf16 micro-batches through a `HeadGradAccumulator` (on CUDA: each chunk's bf16 GEMM accumulating
+    into the step's fp32 buffer, the second micro-batch's into the first's): the head weight's gradient, rounded to
+    bf16 twice (the sum of the first two, the last), is as close to the fp64 reference of the three summed losses as one micro-batch's is to its own (the bound of
+    `_bf16_case`)."""
+    from llm_training.trainer.losses import HeadGradAccumulator
+
+    micro = [_inputs(T=150, H=64, V=5000, seed=s) for s in range(3)]
+    w = micro[0][1].to(device, torch.bfloat16).requires_grad_()
+    w64 = w.detach().double().cpu().requires_grad_()
+    acc = HeadGradAccumulator()
+    acc.begin_step()
+    for k, (hidden, _, labels) in enumerate(micro):
+        h = hidden.to(device, torch.bfloat16)
+        total, _ = linear_cross_entropy_segments(
+            [h], w, [labels.to(device)], [1.0], chunk_tokens=128, head_grad=acc.micro_batch(k, 3)
+        )
+        total.backward()
+        _reference_ce_sum(h.double().cpu(), w64, labels).backward()
+    assert w.grad.dtype == torch.bfloat16 and _rel_err(w.grad, w64.grad) < 2e-2
+
+
+def test_bf16_head_grad_accumulation_close_to_fp64_reference_cpu():
+    _bf16_accumulated_case("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_head_grad_accumulation_close_to_fp64_reference_cuda():
+    _bf16_accumulated_case("cuda")

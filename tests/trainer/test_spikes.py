@@ -120,6 +120,14 @@ def test_rollback_without_checkpoints_exits_2(capsys):
 
 
 # ------------------------------------------------------------------------------ training runs
+def _spiked(loss, factor: float):
+    """`loss` with its value (total and CE) `factor` times larger. The backward still sees upstream gradient 1, as
+    the trainer's head-gradient accumulation requires (trainer/losses.py `HeadGradAccumulator`); the detector reads
+    the loss value."""
+    total = loss.total + (factor - 1.0) * loss.total.detach()
+    return dataclasses.replace(loss, total=total, ce=loss.ce * factor)
+
+
 def _scale_loss_once(monkeypatch, trainer, step, factor=50.0):
     """Multiply every micro-batch loss of the first pass through `step` by `factor` (a finite spike)."""
     real = losses_module.micro_batch_loss
@@ -129,7 +137,7 @@ def _scale_loss_once(monkeypatch, trainer, step, factor=50.0):
         loss = real(*args, **kwargs)
         if trainer.train_state.step != step or step in fired:
             return loss
-        return dataclasses.replace(loss, total=loss.total * factor, ce=loss.ce * factor)
+        return _spiked(loss, factor)
 
     monkeypatch.setattr(losses_module, "micro_batch_loss", scaled)
     original_step = trainer.train_step
@@ -188,7 +196,7 @@ def test_consecutive_spikes_stop_the_run(make_config, monkeypatch):
 
     def spike_from_3(*args, **kwargs):
         loss = real(*args, **kwargs)
-        return dataclasses.replace(loss, total=loss.total * 50) if trainer.train_state.step >= 3 else loss
+        return _spiked(loss, 50.0) if trainer.train_state.step >= 3 else loss
 
     monkeypatch.setattr(losses_module, "micro_batch_loss", spike_from_3)
     with pytest.raises(LossSpikeError, match=r"2 loss spikes in a row \(last: step 4; \[loss_spike\] max_consecutive"):
