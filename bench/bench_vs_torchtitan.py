@@ -581,7 +581,7 @@ def profile_kernel_groups(step, first_index: int, steps: int) -> dict:
     overhead would inflate the idle time, hence apart), `profile_callers`, the kernel time by launching op, its
     context and our innermost frame. The log prints the kernels and callers over 0.5 ms per step."""
     import torch
-    from kernel_callers import format_callers, format_idle, gpu_idle, kernel_callers
+    from kernel_callers import format_callers, format_idle, gpu_idle, kernel_callers, python_frames
     from kernel_groups import format_groups, group_kernels, top_kernels
     from torch.profiler import ProfilerActivity, profile
 
@@ -604,7 +604,11 @@ def profile_kernel_groups(step, first_index: int, steps: int) -> dict:
     with profile(activities=activities, record_shapes=True, with_stack=True) as prof:
         step(first_index + steps)
         torch.cuda.synchronize()
-    callers = kernel_callers(prof.events(), 1, n=120)
+    with tempfile.TemporaryDirectory() as tmp:  # the Python frames: only the Chrome trace has them on torch 2.11
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        frames = python_frames(json.loads(trace.read_text()))
+    callers = kernel_callers(prof.events(), 1, n=120, frames=frames)
     print(format_callers(callers), flush=True)
     return {
         "profile_groups": [{"group": g, "ms_per_step": ms / steps, "share": share} for g, ms, share in groups],

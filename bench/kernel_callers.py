@@ -1,17 +1,24 @@
 """Which code launches a profile's GPU kernels, and when the GPU waits for the host.
 
 `kernel_groups.py` answers "which kind of kernel takes the time"; this module answers "which line launched it" and
-"how long did the GPU sit idle", from the same `prof.events()` (a torch.profiler run with CPU and CUDA activity).
+"how long did the GPU sit idle", from the same `prof.events()` (a torch.profiler run with CPU and CUDA activity)
+and, for the Python frames, the run's Chrome trace (`prof.export_chrome_trace`, `python_frames`).
 
-`kernel_callers(events, steps, n)` charges every GPU kernel to the CPU op that launched it (the profiler links a
-kernel to that op by correlation id) and labels the op with:
+`kernel_callers(events, steps, n)` charges every GPU kernel to the CPU op that launched it and labels the op with:
 - `context`: the nearest enclosing ranges that say what the op is part of: the backward node it runs in
   (`autograd::engine::evaluate_function: MulBackward0` -> `bwd MulBackward0`), FSDP2's ranges (`FSDP::...`), an
   optimizer's step (`Optimizer.step#Muon.step`), a compiled graph's call;
 - `frame`: the innermost function of our own code (llm_training, the optimizer and activation packages) above the
-  op, as `file:line name` with the line where the function starts, when the profile was taken `with_stack=True`
-  (the Python calls are then the op's ancestors). An op inside a backward node has no frame of its own below the
-  node; it gets the frame of the forward op that created the node (same sequence number), written `bwd of <frame>`.
+  op, as `file:line name` (the line where the function starts), from a profile taken `with_stack=True`. An op
+  inside a backward node has no frame of its own below the node; it gets the frame of the forward op that created
+  the node (same sequence number), written `bwd of <frame>`.
+The kernel -> op link comes in two forms (both met on our machines):
+- torch >= 2.13 (the CPU machines): a kernel event carries `linked_correlation_id`, the id of its op.
+- torch 2.11 (the GPU machines): no link on the kernel event. Its `id` is CUPTI's correlation id, which the CUDA
+  runtime's (or driver's) launch call on the CPU carries too, and that call runs inside the op that launched the
+  kernel: kernel -> launch call -> its parent.
+The Python frames are read from the Chrome trace in both: torch 2.11 keeps them out of `prof.events()` (and leaves
+each op's `stack` empty) and exports them only there, as `python_function` events on the op's thread.
 Rows (group, op, context, frame, input shapes) with ms and launches per step, largest first: enough to tell which
 of our lines launches, say, a 2 ms fp32 multiply per micro-batch.
 
@@ -26,15 +33,16 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable
 
-from kernel_groups import charged_kernel_events, classify_kernel
+from kernel_groups import charged_kernel_events
 
 FRAME = re.compile(r"^(?P<path>.+?\.py)\((?P<line>\d+)\): (?P<func>.+)$")
 # the packages whose frames name a caller (innermost first wins); the harness's own frames are never the answer
 OUR_CODE = ("llm_training/", "optimizer/optimizer/", "activations/activation/")
 BACKWARD_NODE = re.compile(r"^autograd::engine::evaluate_function: (\S+)")
 CONTEXT_RANGE = re.compile(r"^(FSDP::|Optimizer\.step#|## Call CompiledFxGraph|CompiledFunction|Torch-Compiled Region)")
+# the CUDA runtime's and driver's calls (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, ...)
+RUNTIME_CALL = re.compile(r"^cu(da)?[A-Z]\w*$")
 CONTEXT_DEPTH = 2  # ranges kept per op, innermost first
-OPTIMIZER_CONTEXT = re.compile(r"Optimizer\.step#(\w+)\.step")
 
 
 def our_frame(name: str) -> str | None:
@@ -59,56 +67,93 @@ def _ancestors(evt):
         q = getattr(q, "cpu_parent", None)
 
 
-def _label(op) -> tuple[str, str | None, object | None]:
-    """(context, own frame, enclosing backward-node event or None) of a CPU op: ranges and our innermost frame
-    are read from its ancestors up to (and including) the backward node it runs in, if any."""
-    context, frame, node = [], None, None
+def python_frames(trace: dict) -> dict[int, str]:
+    """Op id -> our innermost Python frame above the op and below the backward node it runs in, if any (above the
+    node: the engine and whoever called backward(), not the op's caller), from a Chrome trace of a profile taken
+    `with_stack=True`: its `python_function` events and ops (`External id`: the op event's id) nested by time on
+    each thread."""
+    by_thread: dict[tuple, list[dict]] = defaultdict(list)
+    for e in trace.get("traceEvents", ()):
+        if e.get("ph") == "X" and e.get("cat") in ("python_function", "cpu_op", "user_annotation"):
+            by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    frames: dict[int, str] = {}
+    for events in by_thread.values():
+        events.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+        enclosing: list[dict] = []  # outermost first
+        for e in events:
+            while enclosing and enclosing[-1]["ts"] + enclosing[-1].get("dur", 0) <= e["ts"]:
+                enclosing.pop()
+            op_id = (e.get("args") or {}).get("External id")
+            if e["cat"] == "cpu_op" and op_id:
+                for q in reversed(enclosing):
+                    if BACKWARD_NODE.match(q["name"]):
+                        break
+                    frame = our_frame(q["name"]) if q["cat"] == "python_function" else None
+                    if frame:
+                        frames[op_id] = frame
+                        break
+            enclosing.append(e)
+    return frames
+
+
+def _label(op) -> tuple[str, object | None]:
+    """(context, enclosing backward-node event or None) of a CPU op: the ranges read from its ancestors up to (and
+    including) the backward node it runs in, then those around the node."""
+    context, node = [], None
     for q in _ancestors(op):
         m = BACKWARD_NODE.match(q.name)
         if m:
             node = q
             if len(context) < CONTEXT_DEPTH:
                 context.append(f"bwd {m[1]}")
-            break  # above the node: the engine and whoever called backward(), not this op's caller
+            break
         if CONTEXT_RANGE.match(q.name) and len(context) < CONTEXT_DEPTH:
             context.append(q.name.strip("# ")[:60])
-        if frame is None:
-            frame = our_frame(q.name)
     for q in _ancestors(node) if node is not None else ():  # ranges around the backward (FSDP's, the optimizer's)
         if CONTEXT_RANGE.match(q.name) and len(context) < CONTEXT_DEPTH:
             context.append(q.name.strip("# ")[:60])
-    return " < ".join(context), frame, node
+    return " < ".join(context), node
 
 
 class _Launchers:
-    """The CPU op behind each kernel (by correlation id) and its label, with the forward frames by sequence
-    number for ops inside backward nodes."""
+    """The CPU op behind each kernel (its link, or its launch call's parent: the module docstring's two forms) and
+    its label; `frames`: `python_frames` of the profile's trace (none: no frames), with the forward frames by
+    sequence number for ops inside backward nodes."""
 
-    def __init__(self, events: list):
+    def __init__(self, events: list, frames: dict[int, str] | None = None):
         cpu = [e for e in events if not str(getattr(e, "device_type", "")).endswith(("CUDA", "PrivateUse1"))]
-        # the ops a kernel can name: frontend events (no link of their own; the CUDA runtime's launch events link to
-        # an op and carry CUPTI's correlation ids, another numbering that must not shadow the ops' ids)
-        self.by_id = {e.id: e for e in cpu if getattr(e, "id", 0) and not getattr(e, "linked_correlation_id", 0)}
+        # the ops a link can name: frontend events, neither linked themselves nor runtime calls (those carry CUPTI's
+        # correlation ids, another numbering that must not shadow the ops' ids)
+        self.by_id = {
+            e.id: e
+            for e in cpu
+            if getattr(e, "id", 0) and not getattr(e, "linked_correlation_id", 0) and not RUNTIME_CALL.match(e.name)
+        }
+        self.launch_by_id = {e.id: e for e in cpu if getattr(e, "id", 0) and RUNTIME_CALL.match(e.name)}
+        self.frames = frames or {}
         self.forward_frame: dict[tuple, str] = {}
         # Every op records the sequence number the next autograd node will take, and the node's creator is the
         # last op to start before the number moves on: in time order, later ops overwrite earlier ones.
-        for e in sorted(cpu, key=lambda e: e.time_range.start):
+        for e in sorted(self.by_id.values(), key=lambda e: e.time_range.start):
             seq = getattr(e, "sequence_nr", -1)
-            if seq is None or seq < 0 or e.name.startswith("autograd::"):
+            if seq is None or seq < 0 or e.name.startswith("autograd::") or e.id not in self.frames:
                 continue
-            _, frame, node = _label(e)
-            if node is None and frame is not None:
-                self.forward_frame[(seq, getattr(e, "thread", None))] = frame
+            if _label(e)[1] is None:
+                self.forward_frame[(seq, getattr(e, "thread", None))] = self.frames[e.id]
         self._labels: dict[int, tuple[str, str, str]] = {}  # by the op event's identity
 
     def op_of(self, kernel):
         linked = getattr(kernel, "linked_correlation_id", 0)
-        return self.by_id.get(linked) if linked else None
+        if linked:
+            return self.by_id.get(linked)
+        launch = self.launch_by_id.get(getattr(kernel, "id", 0) or 0)
+        return getattr(launch, "cpu_parent", None)
 
     def label(self, op) -> tuple[str, str, str]:
         """(op name, context, frame) of a launching op ("" where unknown)."""
         if id(op) not in self._labels:
-            context, frame, node = _label(op)
+            context, node = _label(op)
+            frame = self.frames.get(op.id)
             if frame is None and node is not None:
                 fwd = self.forward_frame.get((getattr(node, "sequence_nr", -1), getattr(node, "fwd_thread", None)))
                 frame = f"bwd of {fwd}" if fwd else None
@@ -121,31 +166,19 @@ def _shapes(op) -> str:
     return str(shapes)[:80] if any(shapes) else ""
 
 
-def kernel_callers(events: Iterable, steps: int, n: int = 60) -> list[dict]:
+def kernel_callers(events: Iterable, steps: int, n: int = 60, frames: dict[int, str] | None = None) -> list[dict]:
     """The n (group, op, context, frame, shapes) rows with the most kernel time per step, largest first; kernels
-    whose launching op the profile does not link are one row per group with op `?`. Where no kernel event carries
-    a link (a profiler without `linked_correlation_id`), each op's own `kernels` list is charged instead (its
-    group from the kernel's name, or the optimizer whose step range encloses the op)."""
+    whose launching op the profile does not name are one row per group with op `?`. `frames`: `python_frames` of
+    the profile's Chrome trace (none: every frame is empty)."""
     events = list(events)
-    launchers = _Launchers(events)
+    launchers = _Launchers(events, frames)
     totals: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
-    charged = charged_kernel_events(events)
-    if any(getattr(k, "linked_correlation_id", 0) for k, _ in charged):
-        for kernel, group in charged:
-            op = launchers.op_of(kernel)
-            key = (group, *launchers.label(op), _shapes(op)) if op is not None else (group, "?", "", "", "")
-            entry = totals[key]
-            entry[0] += (kernel.time_range.end - kernel.time_range.start) / 1e3
-            entry[1] += 1
-    else:  # a profiler whose kernel events carry no link: each op's own list of the kernels it launched
-        for op in launchers.by_id.values():
-            for k in getattr(op, "kernels", None) or ():
-                label = launchers.label(op)
-                in_optimizer = OPTIMIZER_CONTEXT.search(label[1])
-                group = f"optimizer: {in_optimizer[1]}" if in_optimizer else classify_kernel(k.name)
-                entry = totals[(group, *label, _shapes(op))]
-                entry[0] += k.duration / 1e3
-                entry[1] += 1
+    for kernel, group in charged_kernel_events(events):
+        op = launchers.op_of(kernel)
+        key = (group, *launchers.label(op), _shapes(op)) if op is not None else (group, "?", "", "", "")
+        entry = totals[key]
+        entry[0] += (kernel.time_range.end - kernel.time_range.start) / 1e3
+        entry[1] += 1
     rows = [
         {
             "group": g, "op": op, "context": ctx, "frame": frame, "shapes": shapes,

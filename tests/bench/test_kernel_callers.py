@@ -1,6 +1,7 @@
 """bench/kernel_callers.py: kernels charged to the op and code that launched them; the GPU's idle gaps."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,25 +30,37 @@ def _kernel(name, start, end, launched_by=None, annotation=False):
     )  # fmt: skip
 
 
+def _chrome(*events, python=()) -> dict:
+    """A Chrome trace of the ops (`cpu_op`, External id = the op's id) and Python calls (name, start, end) on one
+    thread, as `prof.export_chrome_trace` writes it."""
+    ops = [
+        {"ph": "X", "cat": "cpu_op", "name": e.name, "pid": 1, "tid": 1, "ts": e.time_range.start,
+         "dur": e.time_range.end - e.time_range.start, "args": {"External id": e.id or 0}}
+        for e in events
+    ]  # fmt: skip
+    calls = [
+        {"ph": "X", "cat": "python_function", "name": name, "pid": 1, "tid": 1, "ts": t0, "dur": t1 - t0, "args": {}}
+        for name, t0, t1 in python
+    ]
+    return {"traceEvents": ops + calls}
+
+
 def _trace():
-    """A forward op in our loss (with its Python frames), the backward node it created running a 2 ms fp32
-    multiply (no frame of its own), an FSDP range with a copy, and a Muon step."""
-    step = _cpu("/work/bench/bench_train.py(157): train_step_on_random_data", 0, 100_000)
-    trainer = _cpu("/x/llm_training/trainer/trainer.py(398): train_step", 0, 100_000, step)
-    loss = _cpu("/x/llm_training/trainer/losses.py(124): forward", 0, 10_000, trainer)
-    mm = _cpu("aten::mm", 0, 1_000, loss, id=1, seq=7, thread=1, shapes=[[8, 4], [4, 16]])
+    """(events, frames): a forward op in our loss, the backward node it created running a 2 ms fp32 multiply (no
+    frame of its own), an FSDP range with a copy, and a Muon step; the Python calls around them in the Chrome
+    trace."""
+    trainer = _cpu("ProfilerStep#1", 0, 100_000)
+    mm = _cpu("aten::mm", 0, 1_000, trainer, id=1, seq=7, thread=1, shapes=[[8, 4], [4, 16]])
     node = _cpu("autograd::engine::evaluate_function: MulBackward0", 20_000, 30_000, trainer, seq=7, fwd_thread=1)
-    engine_frame = _cpu("/x/llm_training/trainer/trainer.py(410): train_step", 20_000, 30_000, node)  # not the op's
     mul = _cpu("aten::mul", 20_000, 21_000, node, id=2, seq=-1, thread=2, shapes=[[220160, 4096], []])
     fsdp = _cpu("FSDP::post_backward_reduce", 30_000, 40_000, trainer)
     cat = _cpu("aten::_chunk_cat", 30_000, 31_000, fsdp, id=3)
     opt = _cpu("Optimizer.step#Muon.step", 50_000, 60_000, trainer)
-    ns_frame = _cpu("/x/optimizer/optimizer/newton_schulz.py(83): orthogonalise_wide_", 50_000, 60_000, opt)
-    bmm = _cpu("aten::bmm", 50_000, 51_000, ns_frame, id=4)
+    bmm = _cpu("aten::bmm", 50_000, 51_000, opt, id=4)
     # the CUDA runtime's launch event of the mm: CUPTI's correlation id 3 (the _chunk_cat's op id too), linked to op 1
     launch = _cpu("cudaLaunchKernel", 100, 120, mm, id=3)
     launch.linked_correlation_id = 1
-    cpu = [step, trainer, loss, mm, node, engine_frame, mul, fsdp, cat, opt, ns_frame, bmm, launch]
+    cpu = [trainer, mm, node, mul, fsdp, cat, opt, bmm, launch]
     gpu = [
         _kernel("nvjet_sm90_tst_fwd", 1_000, 4_000, mm),  # 3 ms
         _kernel("elementwise_kernel<MulFunctor<float>>", 22_000, 24_000, mul),  # 2 ms, after an 18 ms gap
@@ -58,11 +71,30 @@ def _trace():
         _kernel("nvjet_sm90_tst_ns_overlap", 53_000, 56_000, bmm),  # another stream, inside the busy interval
         _kernel("Memcpy DtoD (Device -> Device)", 58_000, 59_000),  # no linked op; right after Muon's range
     ]
-    return cpu + gpu
+    trace = _chrome(
+        mm, node, mul, cat, bmm,
+        python=[
+            ("/work/bench/bench_train.py(157): train_step_on_random_data", 0, 100_000),  # the harness: never named
+            ("/x/llm_training/trainer/trainer.py(398): train_step", 0, 100_000),  # called backward(): above the node
+            ("/x/llm_training/trainer/losses.py(124): forward", 0, 10_000),
+            ("/x/optimizer/optimizer/newton_schulz.py(83): orthogonalise_wide_", 50_000, 60_000),
+        ],
+    )  # fmt: skip
+    return cpu + gpu, kernel_callers.python_frames(trace)
+
+
+def test_python_frames_stop_at_the_backward_node():
+    _, frames = _trace()
+    assert frames == {
+        1: "llm_training/trainer/losses.py:124 forward",
+        3: "llm_training/trainer/trainer.py:398 train_step",  # the FSDP copy: no frame nearer than the step
+        4: "optimizer/optimizer/newton_schulz.py:83 orthogonalise_wide_",
+    }  # 2 (the mul, inside MulBackward0) has none: trainer.py is above its node
 
 
 def test_kernels_are_charged_to_their_op_context_and_our_frame():
-    rows = kernel_callers.kernel_callers(_trace(), steps=2)
+    events, frames = _trace()
+    rows = kernel_callers.kernel_callers(events, steps=2, frames=frames)
     by_op = {r["op"]: r for r in rows}
     mul = by_op["aten::mul"]
     assert mul["group"] == "elementwise/fused"
@@ -82,10 +114,12 @@ def test_kernels_are_charged_to_their_op_context_and_our_frame():
     table = kernel_callers.format_callers(rows, min_ms=1.0)
     assert "aten::mul  [bwd MulBackward0]  bwd of llm_training/trainer/losses.py:124 forward" in table
     assert "aten::_chunk_cat" not in table  # 0.5 ms per step: under the cut
+    assert all(r["frame"] == "" for r in kernel_callers.kernel_callers(events, steps=2))  # no trace, no frames
 
 
 def test_gpu_idle_counts_time_no_stream_is_busy_and_names_who_ends_each_gap():
-    idle = kernel_callers.gpu_idle(_trace(), steps=2, n=2)
+    events, _ = _trace()
+    idle = kernel_callers.gpu_idle(events, steps=2, n=2)
     # kernels cover [1, 4] + [22, 26] + [31, 32] + [52, 57] + [58, 59] ms of the span [1, 59] (the annotation
     # range [52, 58] is not a kernel)
     assert idle["span_ms_per_step"] == pytest.approx(58 / 2)
@@ -94,7 +128,7 @@ def test_gpu_idle_counts_time_no_stream_is_busy_and_names_who_ends_each_gap():
     first, second = idle["gaps"]
     assert first["gap_ms"] == pytest.approx(20.0) and first["next_op"] == "aten::bmm"
     assert first["after_kernel"] == "chunk_cat_cuda_kernel"
-    assert first["next_frame"] == "optimizer/optimizer/newton_schulz.py:83 orthogonalise_wide_"
+    assert first["next_context"] == "Optimizer.step#Muon.step"
     assert second["gap_ms"] == pytest.approx(18.0) and second["next_context"] == "bwd MulBackward0"
     assert "20.00" in kernel_callers.format_idle(idle)
 
@@ -117,21 +151,38 @@ def test_our_frame(name, frame):
     assert kernel_callers.our_frame(name) == frame
 
 
-def test_without_kernel_links_each_op_charges_its_own_kernels():
-    """A profiler whose kernel events carry no link: the ops' `kernels` lists give the same rows (the optimizer's
-    from its step range around the op)."""
-    events = [e for e in _trace() if not str(e.device_type).endswith("CUDA")]
-    by_name = {e.name: e for e in events}
-    kernel = lambda name, us: SimpleNamespace(name=name, device=0, duration=us)
-    by_name["aten::mul"].kernels = [kernel("elementwise_kernel<MulFunctor<float>>", 2000)] * 2
-    by_name["aten::bmm"].kernels = [kernel("nvjet_sm90_tst_ns", 4000)]
-    rows = {r["op"]: r for r in kernel_callers.kernel_callers(events, steps=2)}
-    assert rows["aten::mul"]["ms_per_step"] == pytest.approx(2.0) and rows["aten::mul"]["launches_per_step"] == 1.0
-    assert rows["aten::mul"]["frame"] == "bwd of llm_training/trainer/losses.py:124 forward"
-    assert rows["aten::bmm"]["group"] == "optimizer: Muon" and rows["aten::bmm"]["ms_per_step"] == pytest.approx(2.0)
+def test_without_kernel_links_each_kernel_is_charged_through_its_launch_call():
+    """torch 2.11's form: kernel events carry no link; a kernel's id is CUPTI's correlation id, which its launch
+    call (a CPU event inside the op) carries too, and which may equal an unrelated op's id. The rows are those of
+    the linked form."""
+    events, frames = _trace()
+    by_name = {e.name: e for e in events if not str(e.device_type).endswith("CUDA")}
+    del events[events.index(by_name["cudaLaunchKernel"])]
+    cupti_ids = iter([3, 4, 1, 2, 5, 6, 7])  # 1-4: also op ids, of other ops
+    for kernel in (e for e in events if str(e.device_type).endswith("CUDA") and not e.is_user_annotation):
+        op = next((o for o in by_name.values() if o.id == kernel.linked_correlation_id), None)
+        del kernel.linked_correlation_id
+        kernel.id = next(cupti_ids)
+        if op is not None:
+            events.append(
+                _cpu("cuLaunchKernelEx", kernel.time_range.start - 10, kernel.time_range.start - 5, op, id=kernel.id)
+            )
+    for e in events:
+        if hasattr(e, "linked_correlation_id"):
+            del e.linked_correlation_id
+    linked_events, _ = _trace()
+    linked = kernel_callers.kernel_callers(linked_events, steps=2, frames=frames)
+    assert kernel_callers.kernel_callers(events, steps=2, frames=frames) == linked
+    assert kernel_callers.gpu_idle(events, steps=2) == kernel_callers.gpu_idle(linked_events, steps=2)
 
 
-def test_labels_of_a_real_cpu_profile():
+def _frames_of(prof, tmp_path) -> dict[int, str]:
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    return kernel_callers.python_frames(json.loads(path.read_text()))
+
+
+def test_labels_of_a_real_cpu_profile(tmp_path):
     """The profiler's own events (CPU, shapes and stacks) for our chunked loss, forward and backward: forward ops
     name our function; ops of our autograd Function's backward name that backward; ops of a C++ backward node
     (the reshape's ViewBackward0) name the forward function that created the node."""
@@ -147,7 +198,7 @@ def test_labels_of_a_real_cpu_profile():
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
         linear_cross_entropy_sum(h.view(3, 4, 8), w, y.view(3, 4), chunk_tokens=4).backward()
     events = list(prof.events())
-    launchers = kernel_callers._Launchers(events)
+    launchers = kernel_callers._Launchers(events, _frames_of(prof, tmp_path))
     labels = {launchers.label(e) for e in events if e.name.startswith("aten::")}
     assert any(
         op == "aten::mm" and not ctx and frame.startswith("llm_training/trainer/losses.py:")
@@ -161,3 +212,36 @@ def test_labels_of_a_real_cpu_profile():
         ctx == "bwd ViewBackward0" and frame.startswith("bwd of llm_training/trainer/losses.py:")
         for _, ctx, frame in labels
     ), sorted(labels)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_a_real_cuda_profile_charges_kernels_to_our_ops(tmp_path):
+    """On the GPU machine's torch (2.11: kernels carry no link; the stack is each op's own list) as on newer ones:
+    our loss's GEMM kernels are charged to `aten::mm` with our frame, its backward's to our backward, and every
+    idle gap names the op that ended it."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from llm_training.trainer.losses import linear_cross_entropy_sum
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(512, 256, device="cuda", generator=g, requires_grad=True)
+    w = torch.randn(4096, 256, device="cuda", generator=g, requires_grad=True)
+    y = torch.randint(0, 4096, (512,), device="cuda", generator=g)
+
+    def loss():
+        return linear_cross_entropy_sum(h.view(4, 128, 256), w, y.view(4, 128), chunk_tokens=128)
+
+    loss().backward()  # warm-up
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as p:
+        loss().backward()
+        torch.cuda.synchronize()
+    rows = kernel_callers.kernel_callers(p.events(), steps=1, n=200, frames=_frames_of(p, tmp_path))
+    assert any(r["op"] == "aten::mm" and r["frame"].startswith("llm_training/trainer/losses.py:") for r in rows), rows
+    assert any(r["context"] == "bwd _ChunkedLinearCrossEntropyBackward" for r in rows), rows
+    charged = sum(r["ms_per_step"] for r in rows if r["op"] != "?")
+    assert charged >= 0.9 * sum(r["ms_per_step"] for r in rows), rows  # nearly every kernel has its op
+    idle = kernel_callers.gpu_idle(p.events(), steps=1)
+    assert idle["gaps"] and all(gap["next_op"] != "?" for gap in idle["gaps"]), idle["gaps"]
