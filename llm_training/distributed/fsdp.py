@@ -9,7 +9,8 @@ backward, when the freed activations leave holes of one matrix's size (one H100,
 proxy_16e, session 20: that 6.72 GiB request grew the reserve by 5.76 GiB with 16.9 GiB free; 74.3 -> 67.4 GiB
 reserved with the split). Like the blocks, it is resharded after its forward (the model looks the trunk's and the
 MTP modules' ids up in one call): its gathered bf16 [V, H] table (1.7 GiB at Motif-3's vocabulary, on every rank)
-is not held through the loss, where the step's memory peaks, and is gathered again for its backward. Over a
+is not held through the loss, where the step's memory peaks. Its backward needs no table (a lookup's gradient reads
+only the ids and the table's size): `set_unshard_in_backward(False)`, so no all-gather for it. Over a
 one-rank shard dimension `parallelize_motif` keeps every other group gathered for the whole step (its gathers are
 only casts; `ParallelizedModel.defer_grad_sync`) but still reshards the embedding (one H100, session 22: its table
 was 1.68 GiB of the 66.4 GiB allocated at the peak of bench_vs_torchtitan's one-GPU proxy_16e step). Parameters named in
@@ -55,6 +56,8 @@ def apply_fsdp(
         fully_shard(experts, mesh=expert_mesh, mp_policy=mp_policy, ignored_params=ignored & set(experts.parameters()))
     if embedding is not None:
         fully_shard(embedding, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored & set(embedding.parameters()))
+        # a lookup's backward reads the ids and the table's size, never the table: no all-gather for it
+        embedding.set_unshard_in_backward(False)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored & set(block.parameters()))
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored)

@@ -186,7 +186,7 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
         model.set_reshard_after_forward(False)
         # but the input embedding's table, which no later forward reads and its lookup's backward does not need,
         # would sit in every micro-batch's loss peak (1.7 GiB at Motif-3's vocabulary): it is resharded after its
-        # forward and cast again for its backward (about 5 GiB of memory traffic per micro-batch). One H200,
+        # forward (its backward needs no table: apply_fsdp). One H200,
         # motif3_proxy without MTP, together with the loss kernel's in-place gradient (bench/results/
         # bench_vs_torchtitan_accum_session23_h200*.json): peak allocated 103.0 -> 100.3 GiB, no slower step
         model.embed_tokens.set_reshard_after_forward(True, recurse=False)

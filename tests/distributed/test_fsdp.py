@@ -1,5 +1,5 @@
 """distributed/fsdp.py on one gloo CPU rank: `reduce_on_compute_stream` moves FSDP2's gradient reduction onto the
-compute stream and leaves the gradients as they were."""
+compute stream and leaves the gradients as they were; `apply_fsdp` gathers the input embedding for its forward only."""
 
 import pytest
 import torch
@@ -65,3 +65,42 @@ def test_a_model_past_its_first_forward_moves_at_once(one_rank_mesh):
 def test_a_model_without_fsdp2_is_refused_by_name():
     with pytest.raises(ValueError, match="Linear is not an FSDP2 module"):
         reduce_on_compute_stream(nn.Linear(2, 2))
+
+
+class _Embedded(nn.Module):
+    """An input embedding, then a linear head: the embedding's backward needs only the ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def test_the_embedding_is_gathered_for_its_forward_only(one_rank_mesh, monkeypatch):
+    """apply_fsdp's embedding group is gathered (an all-gather, or over one rank the cast into the compute dtype) for
+    its forward only, not for its backward, with the gradients of the same model without FSDP2."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    torch.manual_seed(0)
+    plain = _Embedded()
+    model = _Embedded()
+    model.load_state_dict(plain.state_dict())
+    apply_fsdp(model, [], one_rank_mesh, MixedPrecisionPolicy(), [], embedding=model.embed)
+    gathered = []
+    real_to_unsharded = FSDPParam.to_unsharded
+
+    def counting_to_unsharded(self):
+        gathered.append(self._param_fqn)
+        return real_to_unsharded(self)
+
+    monkeypatch.setattr(FSDPParam, "to_unsharded", counting_to_unsharded)
+    ids = torch.tensor([[1, 4, 4, 9], [0, 2, 7, 4]])
+    model(ids).square().sum().backward()
+    plain(ids).square().sum().backward()
+    assert gathered.count("embed.weight") == 1, gathered
+    assert torch.equal(model.embed.weight.grad.full_tensor(), plain.embed.weight.grad)
+    assert torch.equal(model.head.weight.grad.full_tensor(), plain.head.weight.grad)
