@@ -23,7 +23,8 @@ that contains them, so their gradients are summed over those ranks only, never o
 
 Gradients are SUMMED over data ranks, never averaged: the losses are already normalised by the global
 labelled-token count (trainer/losses.py). FSDP2 is told so with `set_gradient_divide_factor(1)` and SUM-only
-collectives (gloo has no PREMUL_SUM).
+collectives (gloo has no PREMUL_SUM), over any mesh of more than one rank (`_sum_gradients`; over one rank the sum is
+the gradient, and a factor would only cost a division).
 """
 
 from __future__ import annotations
@@ -46,32 +47,44 @@ def apply_fsdp(
     embedding: nn.Module | None = None,
 ) -> None:
     """fully_shard each expert module over `expert_mesh`, then `embedding`, each block and the root over `mesh`;
-    the named parameters are left out (replicated)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    the named parameters are left out (replicated). Every group's gradients are summed over its mesh
+    (`_sum_gradients`)."""
+    from torch.distributed.fsdp import fully_shard
 
     ignored = {model.get_parameter(name) for name in replicated_param_names}
     if expert_modules and expert_mesh is None:
         raise ValueError("apply_fsdp: expert modules given without the expert mesh to shard them over")
+
+    def shard(module: nn.Module, over) -> None:
+        fully_shard(module, mesh=over, mp_policy=mp_policy, ignored_params=ignored & set(module.parameters()))
+        _sum_gradients(module, over)
+
     for experts in expert_modules:  # inner groups first: each lies inside one of the blocks
-        fully_shard(experts, mesh=expert_mesh, mp_policy=mp_policy, ignored_params=ignored & set(experts.parameters()))
+        shard(experts, expert_mesh)
     if embedding is not None:
-        fully_shard(embedding, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored & set(embedding.parameters()))
+        shard(embedding, mesh)
         # a lookup's backward reads the ids and the table's size, never the table: no all-gather for it
         embedding.set_unshard_in_backward(False)
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored & set(block.parameters()))
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            if not (
-                hasattr(module, "set_gradient_divide_factor") and hasattr(module, "set_force_sum_reduction_for_comms")
-            ):
-                raise RuntimeError(
-                    f"torch {torch.__version__}: FSDP2 lacks set_gradient_divide_factor / "
-                    "set_force_sum_reduction_for_comms, which llm_training needs for summed gradients (torch >= 2.11)"
-                )
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+        shard(block, mesh)
+    shard(model, mesh)
+
+
+def _sum_gradients(module: nn.Module, mesh) -> None:
+    """FSDP2 sums `module`'s gradients over `mesh` (divide factor 1, SUM-only collectives) instead of averaging.
+
+    Over a one-rank mesh the sum is the gradient itself, and no factor is set: given one, FSDP2's one-rank path
+    (torch 2.11-2.13, `foreach_reduce`) copies `input / factor`, a division into a temporary the size of the group's
+    gradients in the reduce dtype (3.4 GiB fp32 for Motif-3's embedding) and one more pass over them, per step and
+    group (one H100, proxy_16e, session 36: 2.4 ms per step for each [V, H] group alone)."""
+    if not (hasattr(module, "set_gradient_divide_factor") and hasattr(module, "set_force_sum_reduction_for_comms")):
+        raise RuntimeError(
+            f"torch {torch.__version__}: FSDP2 lacks set_gradient_divide_factor / "
+            "set_force_sum_reduction_for_comms, which llm_training needs for summed gradients (torch >= 2.11)"
+        )
+    if mesh.size() > 1:
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
 
 
 # the FSDPCommContext attributes (torch 2.11-2.13) of the streams that run FSDP2's gradient reduction

@@ -104,3 +104,21 @@ def test_the_embedding_is_gathered_for_its_forward_only(one_rank_mesh, monkeypat
     assert gathered.count("embed.weight") == 1, gathered
     assert torch.equal(model.embed.weight.grad.full_tensor(), plain.embed.weight.grad)
     assert torch.equal(model.head.weight.grad.full_tensor(), plain.head.weight.grad)
+
+
+def test_one_rank_reduction_divides_nothing(one_rank_mesh):
+    """Over one rank the summed gradient is the gradient: FSDP2's reduction copies it, with no division (given a
+    divide factor it would divide into a temporary of the group's size), and the gradients are the plain model's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    model = _fsdp_model(one_rank_mesh)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        grads = _step(model)
+    names = {e.name for e in prof.events()}
+    assert any(name.startswith("FSDP::post_backward_reduce") for name in names), sorted(names)
+    assert not {"aten::div", "aten::div_"} & names
+    torch.manual_seed(1)
+    plain(torch.randn(5, 16)).square().sum().backward()
+    assert all(torch.equal(grads[n], p.grad) for n, p in plain.named_parameters())
