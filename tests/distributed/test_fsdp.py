@@ -122,3 +122,33 @@ def test_one_rank_reduction_divides_nothing(one_rank_mesh):
     torch.manual_seed(1)
     plain(torch.randn(5, 16)).square().sum().backward()
     assert all(torch.equal(grads[n], p.grad) for n, p in plain.named_parameters())
+
+
+def test_one_gpu_setup_bf16_deferred_reduction_matches_plain_fp32(one_rank_mesh):
+    """The one-GPU training setup on gloo: bf16 parameters, fp32 reduction, the embedding resharded after its
+    forward and not gathered for its backward, the root kept gathered, gradients reduced at the last of three
+    micro-batches only. The summed gradients match the fp32 model's to bf16 rounding: weights, activations and each
+    micro-batch's gradient are rounded to bf16 (2^-8 relative each, compounding over about four roundings per path
+    and three micro-batches), bounded here by 8 x 2^-8 = 3e-2 of the largest gradient."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    torch.manual_seed(0)
+    plain = _Embedded()
+    model = _Embedded()
+    model.load_state_dict(plain.state_dict())
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    apply_fsdp(model, [], one_rank_mesh, mp, [], embedding=model.embed)
+    model.set_reshard_after_forward(False)
+    model.embed.set_reshard_after_forward(True, recurse=False)
+    g = torch.Generator().manual_seed(2)
+    micro_batches = [torch.randint(0, 10, (2, 6), generator=g) for _ in range(3)]
+    for k, ids in enumerate(micro_batches):
+        last = k == len(micro_batches) - 1
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+        model(ids).float().square().sum().backward()
+        plain(ids).square().sum().backward()
+    for name, p in plain.named_parameters():
+        got = model.get_parameter(name).grad
+        assert got.dtype == torch.float32, name
+        torch.testing.assert_close(got.full_tensor(), p.grad, rtol=3e-2, atol=3e-2 * p.grad.abs().max().item())
