@@ -61,7 +61,7 @@ def _worker(rank, world, port, max_norm, out):
         destroy_process_group()
 
 
-@pytest.mark.parametrize("max_norm", [1.0, 0.0])  # 0: measure only
+@pytest.mark.parametrize("max_norm", [1.0, 0.0, 100.0])  # 0: measure only; 100: above the norm (about 11.6)
 def test_clip_grad_norm_over_two_meshes_and_plain_params(free_port, max_norm):
     manager = mp.Manager()
     out = manager.dict()
@@ -76,6 +76,28 @@ def test_clip_grad_norm_over_two_meshes_and_plain_params(free_port, max_norm):
         assert norm == pytest.approx(want_norm, rel=1e-6)
         for g, name in zip(grads, ("fsdp", "expert", "replicated")):
             torch.testing.assert_close(g, want[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_a_norm_within_max_norm_leaves_the_grads_untouched():
+    """No multiply when the clamped coefficient is 1 (torch's clip_grads_with_norm_ would multiply every grad by 1);
+    one just above max_norm is scaled as torch scales it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = [torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(5))]
+    for p, g in zip(params, (torch.full((4, 3), 0.1), torch.full((5,), -0.2))):
+        p.grad = g
+    before = [p.grad.clone() for p in params]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        norm = clip_grad_norm_(params, max_norm=1.0)
+    assert norm == pytest.approx(float(torch.cat([b.flatten() for b in before]).norm()))
+    assert not [e.name for e in prof.events() if "mul" in e.name]
+    assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
+    reference = [torch.nn.Parameter(torch.zeros_like(b)) for b in before]
+    for r, b in zip(reference, before):
+        r.grad = b.clone()
+    torch.nn.utils.clip_grad_norm_(reference, max_norm=norm * 0.99)
+    clip_grad_norm_(params, max_norm=norm * 0.99)
+    assert all(torch.equal(p.grad, r.grad) for p, r in zip(params, reference))
 
 
 def test_resolve_device_cuda_without_gpu_names_the_key(monkeypatch):
