@@ -6,6 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from llm_training.trainer.losses import (
     IGNORE_INDEX,
+    chunk_bounds,
     count_labelled_tokens,
     default_chunk_tokens,
     linear_cross_entropy_segments,
@@ -25,6 +26,28 @@ def test_default_chunk_is_whole_row_tiles_within_its_2_gib():
     assert default_chunk_tokens(3_000_000) == 128  # 178 fit
     assert default_chunk_tokens(5_000_000) == 107
     assert default_chunk_tokens(1 << 31) == 1
+
+
+@pytest.mark.parametrize("tokens", [1, 127, 2432, 2433, 8190, 8192, 16384, 32768, 100_000])
+def test_chunks_are_as_few_as_the_largest_allows_and_about_equal(tokens):
+    """The chunk count of `max_chunk`-token chunks, every chunk whole 128-token tiles (the last may end in a partial
+    one) and within one tile of the others: no short last chunk, whose GEMMs run far below the others' rate."""
+    C = default_chunk_tokens(220160)
+    ends = chunk_bounds(tokens, C)
+    sizes = [b - a for a, b in zip((0, *ends[:-1]), ends)]
+    assert ends[-1] == tokens and len(ends) == -(-tokens // C)
+    assert all(0 < n <= C for n in sizes) and all(e % 128 == 0 for e in ends[:-1])
+    full = sizes[:-1]
+    if full:
+        assert max(full) - min(full) <= 128  # whole tiles, one tile apart at most
+        assert min(full) - 128 < sizes[-1] <= max(full)  # the last: its share of tiles, the final one partial
+
+
+def test_chunks_of_a_micro_batch_and_of_untiled_sizes():
+    assert chunk_bounds(8192, 2432) == (2048, 4096, 6144, 8192)  # was 3 x 2432 + 896
+    assert chunk_bounds(16384, 2432) == (2432, 4864, 7168, 9472, 11776, 14080, 16384)
+    assert chunk_bounds(13, 4) == (4, 7, 10, 13)  # a max_chunk of no whole tiles: lengths one token apart
+    assert chunk_bounds(0, 2432) == ()
 
 
 @pytest.mark.gpu  # needs triton, which the GPU suite always has
