@@ -262,8 +262,8 @@ class Motif3Model(nn.Module):
             max_logits.append(layer_max_logits)
             if stats is not None:
                 router_stats.append(stats)
-        if self.args.mhc_enabled:
-            x = x.float().mean(dim=2).to(embedded.dtype)
+        if self.args.mhc_enabled:  # the fp32 mean of the streams, summed in fp32 without an fp32 copy of them
+            x = (x.sum(dim=2, dtype=torch.float32) / x.shape[2]).to(embedded.dtype)
         hidden = self.norm(x)
 
         mtp_hidden = []
