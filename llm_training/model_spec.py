@@ -10,7 +10,10 @@ Per-step hooks (`StepHooks`), called by the trainer in this order each optimizer
     forward_stats(out) -> {name: StepStat}    after each micro-batch forward: statistics to accumulate
     after_step(stats, applied) -> metrics     after the optimizer step (applied=False: a skipped, non-finite
                                               step); `stats` are accumulated over the micro-batches and reduced
-                                              over all ranks by the trainer, once per step, with each stat's op
+                                              over all ranks by the trainer, once per step, with each stat's op,
+                                              and handed over as host (CPU) copies read before the optimizer
+                                              step: a hook reads nothing from the device (that read would wait
+                                              for the optimizer) and moves what it needs back asynchronously
 The family's collectives-free model code only produces statistics; the trainer owns every reduction.
 """
 

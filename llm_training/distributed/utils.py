@@ -7,8 +7,10 @@ Setup order (the entrypoint calls `setup_distributed` once, after the config is 
     parallel_dims.build_mesh(device.type)                   # once a process group exists
 The trainer receives the device and the ParallelDims (with its mesh); nothing below re-derives them.
 
-Also here: `clip_grad_norm_` over parameters that live on different device meshes (FSDP mesh, expert mesh,
-replicated), `all_reduce_` (a no-op without a process group) and `destroy_process_group` (the one way to end a group).
+Also here: the gradient norm (`grad_norm`) and its clipping (`clip_grads_`) over parameters that live on different
+device meshes (FSDP mesh, expert mesh, replicated), `to_device_async` (a small host tensor to the GPU without
+waiting for its queue), `all_reduce_` (a no-op without a process group) and `destroy_process_group` (the one way to
+end a group).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import math
 import os
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -133,6 +136,17 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without the host waiting for the device's queue. A plain `.to("cuda")` of a
+    host tensor synchronizes the stream (torch copies pageable memory and then waits), which, called while the GPU
+    still runs queued work (the optimizer step, a backward), leaves the GPU idle once it is done until the host
+    launches more: pinned first, the copy is asynchronous (torch's caching host allocator keeps the pinned block
+    until the copy has run)."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def all_reduce_(t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, group=None) -> torch.Tensor:
     """In-place all-reduce over `group` (default: the world); a no-op without a process group."""
     if dist.is_initialized():
@@ -148,35 +162,47 @@ def _mesh_key(grad: torch.Tensor):
     return None
 
 
-def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """Clip grads in place so that their global L2 norm is <= max_norm (0: measure only); returns the norm
-    before clipping (inf/nan when a grad is non-finite; grads are then left untouched).
+@dataclass
+class GradNorm:
+    """The global L2 norm of a step's gradients, still on the device (`total`, fp32 0-dim), and the parameters with a
+    gradient grouped by (mesh, placements): what `clip_grads_` scales."""
+
+    total: torch.Tensor
+    groups: list[list[torch.nn.Parameter]]
+
+
+def grad_norm(params: list[torch.nn.Parameter]) -> GradNorm:
+    """The global L2 norm of the gradients of `params`, launched without reading it (the caller reads it with the
+    step's other numbers, in one wait for the device).
 
     Grads may live on different device meshes (FSDP2's, an expert-parallel mesh) or be plain tensors
     (parameters replicated on every rank, identical after their all-reduce). Each group of grads on the same
     mesh and placements gets one foreach norm; a DTensor group's norm is reduced over its own mesh
     (`full_tensor()` of the Partial result), a plain group's is local. The group norms combine as
-    sqrt(sum of squares), and the scale is applied per group (foreach kernels cannot mix meshes), only when it is
-    below 1: a norm within max_norm leaves the grads as they are, with no pass over them (torch's
-    `clip_grads_with_norm_` multiplies every grad by its clamped coefficient, 1 included: 8.5 ms of a 930 ms step of
-    bench_vs_torchtitan's proxy_16e on one H100, session 36). (Design follows torchtitan's clip_grad_norm_; see
-    THIRD_PARTY_NOTICES.md.)"""
-    groups: dict = defaultdict(list)
+    sqrt(sum of squares). (Design follows torchtitan's clip_grad_norm_; see THIRD_PARTY_NOTICES.md.)"""
+    by_mesh: dict = defaultdict(list)
     for p in params:
         if p.grad is not None:
-            groups[_mesh_key(p.grad)].append(p)
-    if not groups:
-        return 0.0
+            by_mesh[_mesh_key(p.grad)].append(p)
+    if not by_mesh:
+        return GradNorm(torch.zeros(()), [])
     norms = []
-    for ps in groups.values():
+    for ps in by_mesh.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in ps], norm_type=2.0, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         norms.append(norm.float())
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-    norm = float(total)  # the step needs it on the host anyway (non-finite check, metrics): one sync
+    return GradNorm(total, list(by_mesh.values()))
+
+
+def clip_grads_(norm: GradNorm, norm_value: float, max_norm: float) -> None:
+    """Scale the gradients in place so that their global norm is at most `max_norm` (0: no clipping), given the
+    norm's value read on the host (`norm_value`, from `norm.total`). Per group (foreach kernels cannot mix meshes),
+    and only when the scale is below 1: a norm within max_norm leaves the grads as they are, with no pass over them
+    (torch's `clip_grads_with_norm_` multiplies every grad by its clamped coefficient, 1 included: 8.5 ms of a 930 ms
+    step of bench_vs_torchtitan's proxy_16e on one H100, session 36). Non-finite norms leave the grads untouched."""
     # torch's coefficient max_norm / (norm + 1e-6), clamped at 1 (clip_grads_with_norm_ recomputes it on the device)
-    if max_norm > 0 and math.isfinite(norm) and max_norm / (norm + 1e-6) < 1.0:
-        for ps in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total, foreach=True)
-    return norm
+    if max_norm > 0 and math.isfinite(norm_value) and max_norm / (norm_value + 1e-6) < 1.0:
+        for ps in norm.groups:
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, norm.total, foreach=True)

@@ -47,7 +47,7 @@ from llm_training.distributed.compile import (
     start_compile_workers,
 )
 from llm_training.distributed.context_parallel import shard_batch
-from llm_training.distributed.utils import all_reduce_, clip_grad_norm_, rank, world_size
+from llm_training.distributed.utils import all_reduce_, clip_grads_, grad_norm, rank, to_device_async, world_size
 from llm_training.layers.attention.fa4_prebuild import fa4_attention_kinds, start_fa4_prebuild
 from llm_training.layers.attention.masks import prebuild_max_logits_kernels
 from llm_training.model_spec import StepStat
@@ -396,7 +396,7 @@ class Trainer:
         batches = [b for b, _ in local]
         # This rank's labelled tokens: the world SUM is the global batch's count (cp shards do not overlap).
         normalisers = sum(count_labelled_tokens(b.targets()) for b in batches)
-        normalisers = all_reduce_(normalisers.to(self.device))
+        normalisers = all_reduce_(to_device_async(normalisers, self.device))
         # The balance loss is a mean over micro-batches and data ranks; under CP each shard's loss is its part of
         # the sequence's loss (layers/moe.py), so the SUM over cp ranks needs no further scale.
         balance_scale = 1.0 / (len(batches) * self.dp_size)
@@ -425,7 +425,6 @@ class Trainer:
         # summed statistics; one MAX all-reduce for the max statistics.
         # ... and this rank's non-padding tokens, in total and (a mixture) per source (the cp ranks of a data rank
         # read the same batch: counted once).
-        flags = [float(not bool(torch.isfinite(parts).all())), float(self.stop_signal.received is not None)]
         cp = self.parallel_dims.cp
         real_tokens = sum(int(mb["real_tokens"].sum()) for mb in micro_batches) / cp
         per_source = []
@@ -434,15 +433,26 @@ class Trainer:
             for mb in micro_batches:
                 counts.index_add_(0, mb["source_ids"], mb["real_tokens"].double())
             per_source = (counts / cp).tolist()
-        extra = torch.tensor([*flags, real_tokens, *per_source], dtype=torch.float64, device=self.device)
+        nonfinite_loss = (~torch.isfinite(parts).all()).to(torch.float64).reshape(1)
+        host_part = torch.tensor(
+            [float(self.stop_signal.received is not None), real_tokens, *per_source], dtype=torch.float64
+        )
+        extra = torch.cat([nonfinite_loss, to_device_async(host_part, self.device)])
         sums, global_stats = all_reduce_step(torch.cat([parts, extra]), stats)
-        parts, any_nonfinite_loss, self._stop_requested = sums[:4], bool(sums[4] > 0), bool(sums[5] > 0)
-
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), t.max_norm)
-        nonfinite = any_nonfinite_loss or not math.isfinite(grad_norm)
+        norm = grad_norm(list(self.model.parameters()))
+        # The step's one wait for the device: everything the host decides or reports from is read here, before the
+        # optimizer step is launched; nothing after that launch reads the device, so the host goes on to the next
+        # step while the GPU runs the optimizer (a read after it would leave the GPU idle through the host's step
+        # boundary once the optimizer is done).
+        host_sums = sums.tolist()
+        grad_norm_value = float(norm.total)
+        host_stats = {name: value.cpu() for name, value in global_stats.items()}
+        loss_value = host_sums[0]
+        self._stop_requested = host_sums[5] > 0
+        nonfinite = host_sums[4] > 0 or not math.isfinite(grad_norm_value)
         spike = None
         if not nonfinite and self.spike_detector is not None:
-            spike = self.spike_detector.check(step, parts[0].item(), grad_norm)
+            spike = self.spike_detector.check(step, loss_value, grad_norm_value)
         if nonfinite or spike:
             self.optimizers.zero_grad()
             if nonfinite:
@@ -450,29 +460,30 @@ class Trainer:
                 self.nonfinite_in_a_row += 1
                 logger.warning(
                     "step %d: non-finite loss %.4g or grad norm %.4g: step skipped (%d in a row, %d in total)",
-                    step, parts[0].item(), grad_norm, self.nonfinite_in_a_row, self.train_state.skipped_steps,
+                    step, loss_value, grad_norm_value, self.nonfinite_in_a_row, self.train_state.skipped_steps,
                 )  # fmt: skip
             else:
-                self._warn_spike(step, parts[0].item(), spike)
-            model_metrics = self.hooks.after_step(global_stats, applied=False)
+                self._warn_spike(step, loss_value, spike)
+            model_metrics = self.hooks.after_step(host_stats, applied=False)
         else:
             self.nonfinite_in_a_row = 0
+            clip_grads_(norm, grad_norm_value, t.max_norm)
             self.optimizers.step()
-            model_metrics = self.hooks.after_step(global_stats, applied=True)
+            model_metrics = self.hooks.after_step(host_stats, applied=True)
             self.lr_scheduler.step()
             self.optimizers.zero_grad()
             if self.source_tokens is not None:
-                self.source_tokens.add(sums[7:].tolist())
+                self.source_tokens.add(host_sums[7:])
         return StepRecord(
             step=step,
-            loss=parts[0].item(),
-            ce_loss=parts[1].item(),
-            mtp_loss=parts[2].item(),
-            balance_loss=parts[3].item(),
-            grad_norm=grad_norm,
+            loss=loss_value,
+            ce_loss=host_sums[1],
+            mtp_loss=host_sums[2],
+            balance_loss=host_sums[3],
+            grad_norm=grad_norm_value,
             lr=lr,
             tokens=t.local_batch_size * t.seq_len * len(micro_batches) * self.dp_size,
-            real_tokens=round(sums[6].item()),
+            real_tokens=round(host_sums[6]),
             step_time_s=0.0,
             skipped=nonfinite,
             spike=spike is not None,

@@ -228,6 +228,50 @@ def test_cuda_bf16_fsdp_training_resumes_exactly(make_config):
         assert resumed.losses[step] == pytest.approx(full.losses[step], rel=1e-3), step
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_step_reads_nothing_from_the_device_after_the_optimizer_launch(make_config):
+    """Once `optimizers.step()` is launched the training step reads nothing from the GPU (torch's sync debug mode
+    "error" raises on any synchronizing call from there to the end of the step: QK-clip, the expert-bias update,
+    the step's record): such a read would wait for the whole optimizer step and leave the GPU idle through the
+    host's step boundary. The step's host values are read once, before the launch."""
+    from llm_training.distributed.utils import setup_distributed
+
+    opts = (
+        "--job.run_name=gpu_no_sync",
+        "--training.device=cuda",
+        "--training.global_batch_size=4",  # two micro-batches
+        "--training.mixed_precision_param=bfloat16",
+        "--training.steps=3",
+        "--checkpoint.enable=false",
+    )
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
+    device, created = setup_distributed("cuda", dims)
+    try:
+        trainer = Trainer(make_config(*opts), dims, device)
+        launches, real_optimizer_step, real_train_step = [], trainer.optimizers.step, trainer.train_step
+
+        def optimizer_step_then_no_reads():
+            real_optimizer_step()
+            launches.append(trainer.train_state.step)
+            torch.cuda.set_sync_debug_mode("error")
+
+        def train_step(micro_batches):
+            try:
+                return real_train_step(micro_batches)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        trainer.optimizers.step = optimizer_step_then_no_reads
+        trainer.train_step = train_step
+        result = trainer.fit()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        if created:
+            destroy_process_group()
+    assert len(launches) == 3 and all(math.isfinite(v) for v in result.losses.values())
+
+
 def test_out_of_memory_names_step_and_config_keys(make_config):
     trainer = Trainer(
         make_config("--training.steps=3", "--checkpoint.enable=false", "--optimizer.name=adamw"), DIMS, CPU
