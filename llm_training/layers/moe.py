@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llm_training.distributed.utils import to_device_async
 from llm_training.dtensor_views import local_tensor
 from llm_training.layers.ffn import FeedForward
 from llm_training.layers.norms import GroupedPolyNorm
@@ -372,7 +371,7 @@ def update_expert_bias(model: nn.Module, global_tokens_per_expert_LE: torch.Tens
         )
     if not moes:
         return
-    counts = counts.detach().float()  # on the host (the trainer's copy) or the device: the delta is computed there
+    counts = counts.detach().float().to(moes[0].expert_bias.device)
     delta = coeff * torch.sign(counts.mean(dim=-1, keepdim=True) - counts)
     for moe, d in zip(moes, delta):
-        moe.expert_bias.add_(to_device_async(d, moe.expert_bias.device))
+        moe.expert_bias.add_(d.to(moe.expert_bias.device))

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from llm_training.distributed.utils import to_device_async
 from llm_training.layers.attention.gdla import GDLAttention
-from llm_training.layers.moe import update_expert_bias
+from llm_training.layers.moe import MoE, update_expert_bias
 from llm_training.model_spec import StepStat
 from optimizer import QKClipStats, QKLayout, qk_clip_
 
@@ -99,6 +100,7 @@ class MotifStepHooks:
             metrics["qk_clip_events"] = apply_qk_clip(
                 self.attention, stats["max_logits"], self.qk_clip_threshold
             ).num_clipped_heads
-        if tokens is not None:
-            update_expert_bias(self.model, tokens, self.bias_update_coeff)
+        if tokens is not None:  # the host copy goes back to the biases' device without waiting for its queue
+            device = next(m.expert_bias.device for m in self.model.modules() if isinstance(m, MoE))
+            update_expert_bias(self.model, to_device_async(tokens, device), self.bias_update_coeff)
         return metrics
