@@ -285,8 +285,9 @@ def linear_cross_entropy_segments(
     Term s: hidden `hiddens[s]` [..., H], labels `labels[s]` [...] (long, -100 = ignore), weight `weights[s]`
     (float or 0-dim tensor). Returns (sum_s weights[s] * CE_sum_s, a differentiable fp32 0-dim tensor; the
     per-term sums CE_sum_s, fp32 [S], detached). Same value and gradients as the weighted sum of separate
-    `linear_cross_entropy_sum` calls, up to fp32 summation order. `head_grad`: the step's accumulator of the head
-    weight's gradient over micro-batches (`HeadGradAccumulator`), or None (each call hands its own gradient).
+    `linear_cross_entropy_sum` calls, up to fp32 summation order. `chunk_tokens`: the longest chunk (default
+    `default_chunk_tokens`; the chunks are `chunk_bounds`). `head_grad`: the step's accumulator of the head weight's
+    gradient over micro-batches (`HeadGradAccumulator`), or None (each call hands its own gradient).
     """
     if not (len(hiddens) == len(labels) == len(weights)) or not hiddens:
         raise ValueError(f"{len(hiddens)} hidden tensors, {len(labels)} label tensors and {len(weights)} weights")

@@ -78,10 +78,9 @@ def _scale_rows_(weight: torch.Tensor, row_scale: torch.Tensor) -> None:
     start, stop = local_row_range(weight)
     w = local(weight)
     compute = torch.promote_types(w.dtype, torch.float32)  # bf16 weights are scaled in fp32, rounded once
-    scale = row_scale[start:stop].to(compute)[:, None]
-    if w.is_cuda and not scale.is_cuda:  # pinned, so that the copy does not wait for the GPU's queue
-        scale = scale.pin_memory().to(w.device, non_blocking=True)
-    scale = scale.to(w.device)
+    scale = row_scale[start:stop].to(compute)[:, None]  # on the host (qk_row_scales)
+    # to a GPU pinned: the copy then does not wait for the work queued before it (the optimizer step)
+    scale = scale.pin_memory().to(w.device, non_blocking=True) if w.is_cuda else scale.to(w.device)
     if w.dtype == compute:
         w.mul_(scale)
     else:
