@@ -16,7 +16,8 @@ The kernel -> op link comes in two forms (both met on our machines):
 - torch >= 2.13 (the CPU machines): a kernel event carries `linked_correlation_id`, the id of its op.
 - torch 2.11 (the GPU machines): no link on the kernel event. Its `id` is CUPTI's correlation id, which the CUDA
   runtime's (or driver's) launch call on the CPU carries too, and that call runs inside the op that launched the
-  kernel: kernel -> launch call -> its parent.
+  kernel: kernel -> launch call -> its parent (or, for a call the profiler left without one, the op whose time
+  range holds it: `_Launchers._enclosing_op`).
 The Python frames are read from the Chrome trace in both: torch 2.11 keeps them out of `prof.events()` (and leaves
 each op's `stack` empty) and exports them only there, as `python_function` events on the op's thread.
 Rows (group, op, context, frame, input shapes) with ms and launches per step, largest first: enough to tell which
@@ -29,6 +30,7 @@ that launched that kernel, i.e. what the GPU was waiting for the host to issue.
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections import defaultdict
 from collections.abc import Iterable
@@ -43,6 +45,7 @@ CONTEXT_RANGE = re.compile(r"^(FSDP::|Optimizer\.step#|## Call CompiledFxGraph|C
 # the CUDA runtime's and driver's calls (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, ...)
 RUNTIME_CALL = re.compile(r"^cu(da)?[A-Z]\w*$")
 CONTEXT_DEPTH = 2  # ranges kept per op, innermost first
+_ENCLOSING_SEARCH = 4096  # ops looked at, latest start first, for a launch call without a parent
 
 
 def our_frame(name: str) -> str | None:
@@ -141,13 +144,32 @@ class _Launchers:
             if _label(e)[1] is None:
                 self.forward_frame[(seq, getattr(e, "thread", None))] = self.frames[e.id]
         self._labels: dict[int, tuple[str, str, str]] = {}  # by the op event's identity
+        self._starts: list | None = None  # the ops' start times, sorted (`_enclosing_op`, built when first needed)
 
     def op_of(self, kernel):
         linked = getattr(kernel, "linked_correlation_id", 0)
         if linked:
             return self.by_id.get(linked)
         launch = self.launch_by_id.get(getattr(kernel, "id", 0) or 0)
-        return getattr(launch, "cpu_parent", None)
+        if launch is None:
+            return None
+        parent = getattr(launch, "cpu_parent", None)
+        return parent if parent is not None else self._enclosing_op(launch)
+
+    def _enclosing_op(self, launch):
+        """The op whose time range holds a launch call the profiler left without a parent: the one that started
+        last before it (the innermost, ops being nested). torch 2.11 gives the launch calls made in the autograd
+        engine's AccumulateGrad (`aten::add_` of a leaf's gradient) another thread number than the op's, so its
+        tree has no parent for them (one H100, session 37)."""
+        if self._starts is None:
+            self._ops_by_start = sorted(self.by_id.values(), key=lambda e: e.time_range.start)
+            self._starts = [e.time_range.start for e in self._ops_by_start]
+        t0, t1 = launch.time_range.start, launch.time_range.end
+        at = bisect.bisect_right(self._starts, t0)
+        for e in reversed(self._ops_by_start[max(0, at - _ENCLOSING_SEARCH) : at]):
+            if e.time_range.end >= t1:
+                return e
+        return None
 
     def label(self, op) -> tuple[str, str, str]:
         """(op name, context, frame) of a launching op ("" where unknown)."""

@@ -245,3 +245,26 @@ def test_a_real_cuda_profile_charges_kernels_to_our_ops(tmp_path):
     assert charged >= 0.9 * sum(r["ms_per_step"] for r in rows), rows  # nearly every kernel has its op
     idle = kernel_callers.gpu_idle(p.events(), steps=1)
     assert idle["gaps"] and all(gap["next_op"] != "?" for gap in idle["gaps"]), idle["gaps"]
+
+
+def test_a_launch_call_without_a_parent_is_charged_to_the_op_holding_it_in_time():
+    """torch 2.11 files the launch calls of the autograd engine's AccumulateGrad under another thread number than
+    the `aten::add_` they run in, and leaves them without a parent: the kernel goes to the op that started last
+    before the call and ends after it, not to `?` and not to an op that ended before it."""
+    node = _cpu("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 100, 900, thread=2)
+    add = _cpu("aten::add_", 200, 800, node, id=11, thread=2)
+    earlier = _cpu("aten::mul", 150, 190, node, id=12, thread=2)  # started before the call, ended before it
+    launch = _cpu("cudaLaunchKernel", 300, 310, None, id=11, thread=1)  # CUPTI's id: the add_'s op id by chance
+    kernel = SimpleNamespace(
+        name="vectorized_elementwise_kernel<CUDAFunctor_add<float>>", device_type="DeviceType.CUDA", id=11,
+        is_user_annotation=False, time_range=SimpleNamespace(start=2_000, end=3_000),
+    )  # fmt: skip
+    first = SimpleNamespace(
+        name="nvjet_sm90_tst_fwd", device_type="DeviceType.CUDA", id=99, is_user_annotation=False,
+        time_range=SimpleNamespace(start=0, end=1_000),
+    )  # fmt: skip
+    events = [node, add, earlier, launch, kernel, first]
+    rows = kernel_callers.kernel_callers(events, steps=1)
+    assert {r["op"]: r["context"] for r in rows} == {"aten::add_": "bwd torch::autograd::AccumulateGrad", "?": ""}
+    (gap,) = kernel_callers.gpu_idle(events, steps=1)["gaps"]
+    assert gap["gap_ms"] == pytest.approx(1.0) and gap["next_op"] == "aten::add_"
