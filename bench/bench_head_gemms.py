@@ -4,7 +4,8 @@ The chunked loss (`llm_training.trainer.losses`) runs per chunk of C tokens, V =
 
   * logits  [C, V] = h [C, H] @ W^T        out fp32 (`mm(out_dtype=float32)`), or bf16 (then a cast)
   * dh      [C, H] = G [C, V] @ W [V, H]   G bf16, either the CE kernel's in-place view (row stride 2V) or contiguous
-  * dW      [V, H] += G^T [V, C] @ h [C, H] accumulated in fp32 inside the GEMM (`baddbmm`, beta 1), or bf16 out
+  * dW      [V, H] += G^T [V, C] @ h [C, H] accumulated in fp32 inside the GEMM (`baddbmm` as the loss does, or
+                                          `addmm`, beta 1), or bf16 out
 
 This prints each form's ms and TF/s for C in `--chunks`, so the loss's chunk size and layout can be chosen from
 measured rates (a whole 8192-token micro-batch is what an unchunked loss such as torchtitan's runs).
@@ -60,17 +61,27 @@ def main() -> None:
             "dW fp32 += (dense G)": lambda: torch.baddbmm(
                 acc_VH[None], g_dense.t()[None], h_CH[None], out_dtype=torch.float32, out=acc_VH[None]
             ),
+            "dW fp32 += addmm (in place G)": lambda: torch.addmm(
+                acc_VH, g_inplace.t(), h_CH, out_dtype=torch.float32, out=acc_VH
+            ),
             "dW bf16 out": lambda: torch.mm(g_dense.t(), h_CH),
         }
         for name, fn in forms.items():
-            ms = statistics.median(cuda_time_ms(fn, warmup=2, repeats=args.repeats))
+            try:
+                ms = statistics.median(cuda_time_ms(fn, warmup=2, repeats=args.repeats))
+            except (RuntimeError, TypeError, NotImplementedError) as e:  # a form this torch's CUDA build lacks
+                rows.append({"chunk": C, "form": name, "ms": None, "tflops": None, "error": str(e)[:200]})
+                continue
             rows.append({"chunk": C, "form": name, "ms": ms, "tflops": _rate(ms, flop)})
         del h_CH, logits32, g_inplace, g_dense, dh
         torch.cuda.empty_cache()
     print(f"{torch.cuda.get_device_name()}  V={V} H={H}")
-    print(f"{'chunk':>6}  {'form':<26} {'ms':>8} {'TF/s':>7}")
+    print(f"{'chunk':>6}  {'form':<30} {'ms':>8} {'TF/s':>7}")
     for r in rows:
-        print(f"{r['chunk']:>6}  {r['form']:<26} {r['ms']:>8.3f} {r['tflops']:>7.1f}")
+        if r["ms"] is None:
+            print(f"{r['chunk']:>6}  {r['form']:<30} unavailable: {r['error']}")
+        else:
+            print(f"{r['chunk']:>6}  {r['form']:<30} {r['ms']:>8.3f} {r['tflops']:>7.1f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "vocab": V, "hidden": H, "rows": rows}, f, indent=1)
