@@ -144,7 +144,9 @@ class _Launchers:
             if _label(e)[1] is None:
                 self.forward_frame[(seq, getattr(e, "thread", None))] = self.frames[e.id]
         self._labels: dict[int, tuple[str, str, str]] = {}  # by the op event's identity
-        self._starts: list | None = None  # the ops' start times, sorted (`_enclosing_op`, built when first needed)
+        # the ops sorted by start and their start times (`_enclosing_op`; built when first needed)
+        self._ops_by_start: list = []
+        self._starts: list | None = None
 
     def op_of(self, kernel):
         linked = getattr(kernel, "linked_correlation_id", 0)
