@@ -75,6 +75,7 @@ class MotifStepHooks:
         self.qk_clip_threshold = job_config.optimizer.qk_clip_threshold
         self.bias_update_coeff = model_args.load_balance_coeff
         self.attention = attention_layers(model)
+        self.first_moe = next((m for m in model.modules() if isinstance(m, MoE)), None)  # where the biases live
         model.set_record_max_logits(self.qk_clip_threshold > 0)
 
     def begin_step(self, progress: float) -> None:
@@ -101,6 +102,6 @@ class MotifStepHooks:
                 self.attention, stats["max_logits"], self.qk_clip_threshold
             ).num_clipped_heads
         if tokens is not None:  # the host copy goes back to the biases' device without waiting for its queue
-            device = next(m.expert_bias.device for m in self.model.modules() if isinstance(m, MoE))
+            device = self.first_moe.expert_bias.device
             update_expert_bias(self.model, to_device_async(tokens, device), self.bias_update_coeff)
         return metrics

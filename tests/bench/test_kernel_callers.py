@@ -217,9 +217,10 @@ def test_labels_of_a_real_cpu_profile(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_a_real_cuda_profile_charges_kernels_to_our_ops(tmp_path):
-    """On the GPU machine's torch (2.11: kernels carry no link; the stack is each op's own list) as on newer ones:
-    our loss's GEMM kernels are charged to `aten::mm` with our frame, its backward's to our backward, and every
-    idle gap names the op that ended it."""
+    """On the GPU machine's torch (2.11: kernels carry no link, only their launch call's id; the Python frames are
+    in the Chrome trace only) as on newer ones: our loss's GEMM kernels are charged to `aten::mm` with our frame, its
+    backward's to our backward, and every idle gap names the op that ended it (the leaves' AccumulateGrad adds too,
+    whose launch calls torch 2.11 leaves without a parent)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
