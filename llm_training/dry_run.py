@@ -17,7 +17,7 @@ It then prints, per rank, the GPU memory the step needs, from the real objects:
     the parameter dtype (both create them with `zeros_like` of the local shard at the first step);
   * the FSDP2 transients: the root group (final norm, head) stays unsharded in the compute dtype for the whole
     step and its gradients unsharded through the backward (so does the input embedding's group where
-    `parallelize` keeps it gathered: over a one-rank shard dimension); the largest other
+    `parallelize` keeps it gathered; in one process both tables are plain fp32 parameters); the largest other
     FSDP2 group (a block, the embedding, or under expert parallelism a block's experts, a group of their own) is
     all-gathered twice over (the group computing and the one prefetched) and its gradients exist unsharded in the
     compute dtype plus the reduce-scatter input in the reduce dtype. Where FSDP2 shards over one rank
@@ -26,8 +26,9 @@ It then prints, per rank, the GPU memory the step needs, from the real objects:
   * activations: the model family's estimate (`ModelSpec.activation_memory`; Motif-3's formula is in
     motif/activation_memory.py) at local_batch_size x seq_len / cp tokens and the configured activation
     checkpointing, plus the loss's buffers (trainer/losses.py: per loss head grad hidden [T, H] in the compute
-    dtype, and one grad weight [V, H] fp32 for all heads (one shared pass), kept until the backward, and one
-    fp32 [chunk, V] logits block while it runs, over which the CUDA kernel writes its bf16 gradient);
+    dtype, and one grad weight [V, H] fp32 for all heads (one shared pass), kept until the backward, the step's
+    compute-dtype copy of a head kept out of FSDP2 in fp32 (one process), and one fp32 [chunk, V] logits block while
+    it runs, over which the CUDA kernel writes its bf16 gradient);
     peak = saved + max(loss buffers + chunk, one block's recomputation).
 Total = parameters + gradients + optimizer state + FSDP2 transients + activation peak, against
 `[job] dry_run_gpu_memory_gib`. It does not count the CUDA context, NCCL buffers, kernel workspaces, Muon's
@@ -305,6 +306,9 @@ def loss_buffers(head_weight_VH: torch.Tensor, heads: int, tokens: int, compute:
 
     V, H = head_weight_VH.shape
     kept = heads * tokens * H * compute.itemsize + V * H * 4
+    if not isinstance(head_weight_VH, DTensor) and head_weight_VH.dtype != compute:
+        # a head kept out of FSDP2 in fp32 (one process, motif/parallelize.py): the step's copy in the compute dtype
+        kept += V * H * compute.itemsize
     # the CUDA chunk kernel writes a 2-byte (bf16 / fp16) logit gradient over the fp32 logits it reads
     # (trainer/cross_entropy_kernels.py); any other compute dtype gets a gradient block of its own
     per_element = 4 if compute.itemsize == 2 else 4 + compute.itemsize

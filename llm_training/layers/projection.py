@@ -154,7 +154,7 @@ class OutputHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        return F.linear(hidden, self.weight.to(hidden.dtype))  # an fp32 weight (one process) meets bf16 hiddens
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}"

@@ -41,6 +41,15 @@ Choices:
     (replicate or shard) or the device is CUDA (a 1-rank FSDP2 gives bf16 mixed precision with fp32 master
     weights). On CPU, FSDP2 runs in fp32 (gloo). Pure replication (dp_shard = 1) runs as HSDP over a 1-rank
     shard dim, so the ranks still sum their gradients.
+  * One process (world size 1): the two vocabulary tables (`embed_tokens`, `lm_head`) stay out of FSDP2 too, fp32
+    (`vocabulary_tables`). Over one rank FSDP2's "gather" and "reduction" of a group are full-size copies: per step
+    it cast the embedding's [V, H] table to bf16 at every micro-batch's forward (the embedding is resharded after
+    it, see above), cast and added its dense gradient into an fp32 accumulator at every backward, and packed,
+    copied and re-copied both tables' fp32 gradients at the last one: 46 ms of a 890 ms one-H100 proxy_16e step
+    (bench_vs_torchtitan --profile-steps 1, session 37). Out of FSDP2 the lookup reads its rows from the fp32 table
+    and its output is cast to the compute dtype (`_cast_output`), autograd sums the lookup's fp32 gradients, and
+    the loss casts the head to bf16 once per step and hands it its fp32 gradient sum once
+    (`trainer.losses.HeadGradAccumulator`).
 """
 
 from __future__ import annotations
@@ -92,6 +101,20 @@ class ParallelizedModel:
         if self.defer_grad_sync:
             self.model.set_requires_gradient_sync(last_micro_batch)
             self.model.set_reshard_after_backward(last_micro_batch)
+
+
+def vocabulary_tables(model: nn.Module) -> list[str]:
+    """The names of the input embedding's and the output head's [V, H] weights (module docstring: one process keeps
+    them out of FSDP2)."""
+    tables = (model.embed_tokens.weight, model.lm_head.weight)
+    return [name for name, p in model.named_parameters() if any(p is t for t in tables)]
+
+
+def _cast_output(module: nn.Module, dtype: torch.dtype) -> None:
+    """`module`'s forward output cast to `dtype` (a forward hook): the embedding of a table kept in fp32 hands the
+    blocks the compute dtype FSDP2's gathered bf16 table would have given; the cast's backward brings the gradient
+    back to fp32 for the table."""
+    module.register_forward_hook(lambda _module, _args, output: output.to(dtype))
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -180,16 +203,22 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
     expert_names = set(expert_plan.expert_param_names) if expert_plan else set()
     expert_modules = [m.experts for m in model.modules() if isinstance(m, MoE)] if expert_plan else []
     expert_mesh = expert_grad_mesh(parallel_dims) if expert_plan else None
-    apply_fsdp(model, blocks(model), fsdp_mesh, mp, replicated, expert_modules, expert_mesh, model.embed_tokens)
+    one_process = dist.get_world_size() == 1
+    tables = vocabulary_tables(model) if one_process else []
+    embedding = None if one_process else model.embed_tokens
+    apply_fsdp(model, blocks(model), fsdp_mesh, mp, replicated + tables, expert_modules, expert_mesh, embedding)
+    if one_process and mp.param_dtype is not None:
+        _cast_output(model.embed_tokens, mp.param_dtype)
     single_shard = mesh["dp_shard_cp"].size() == 1
     if single_shard:  # one all-gather per optimizer step (ParallelizedModel.defer_grad_sync)
         model.set_reshard_after_forward(False)
+    if single_shard and embedding is not None:
         # but the input embedding's table, which no later forward reads and its lookup's backward does not need,
         # would sit in every micro-batch's loss peak (1.7 GiB at Motif-3's vocabulary): it is resharded after its
         # forward (its backward needs no table: apply_fsdp). One H200,
         # motif3_proxy without MTP, together with the loss kernel's in-place gradient (bench/results/
         # bench_vs_torchtitan_accum_session23_h200*.json): peak allocated 103.0 -> 100.3 GiB, no slower step
-        model.embed_tokens.set_reshard_after_forward(True, recurse=False)
+        embedding.set_reshard_after_forward(True, recurse=False)
     if fsdp_mesh.size() == 1:
         # one rank, no replicas: the gradient "reduction" is local copies with nothing to overlap, and on FSDP2's
         # side stream its fp32 gradients stay cached where the next forward cannot reuse them (one H200,

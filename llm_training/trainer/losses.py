@@ -19,9 +19,11 @@ GEMM in fp32 (`mm(..., out_dtype=float32)`, fp32 accumulation, no bf16 logits an
 chunk's weight gradient is accumulated into the fp32 buffer by the GEMM itself (`baddbmm(acc, g^T, h,
 out_dtype=float32, out=acc)`: C = acc, beta = 1), with no per-chunk bf16 product, fp32 cast copy or `+=`.
 Over the micro-batches of one optimizer step the training step lets the loss keep that buffer
-(`HeadGradAccumulator`): the micro-batches' chunk GEMMs accumulate into it, and the head weight gets two gradients
-per step (the sum up to the second-to-last micro-batch, then the last one's) instead of one per micro-batch, each
-cast to the weight's dtype and then cast back and added into FSDP2's or autograd's fp32 accumulator.
+(`HeadGradAccumulator`): the micro-batches' chunk GEMMs accumulate into it. A bf16 head weight (FSDP2's gathered
+copy) gets two gradients per step (the sum up to the second-to-last micro-batch, then the last one's) instead of
+one per micro-batch, each cast to bf16 and then cast back and added into FSDP2's fp32 accumulator; an fp32 head
+weight (one GPU, where the vocabulary tables stay out of FSDP2: `motif/parallelize.py`) gets the buffer itself once,
+at the last micro-batch, and its bf16 copy for the GEMMs is made once per step.
 Where torch lacks those mixed-dtype GEMMs (CPU, or a torch whose CUDA build rejects them; probed once per
 device) the chunk falls back to a bf16 GEMM, a cast and an fp32 add. Between the GEMMs, a chunk's CE and its
 weighted logit gradient come from one Triton kernel on CUDA (`cross_entropy_kernels`: two fp32 reads and one
@@ -124,11 +126,16 @@ class HeadGradAccumulator:
     passes, 1 cast and 1 add per step instead of 4, 1 and 3, and with several data ranks 2 reductions of the head's
     gradient instead of 4.
 
-    Why not one hand-over at the last micro-batch: over one rank FSDP2 defers the reduction to the last micro-batch
-    and keeps the earlier micro-batches' gradients in its reduce dtype (fp32), and it reduces a group only if all of
-    its gradients share one dtype. A head gradient handed at the last micro-batch only is still in the weight's dtype
-    (bf16) beside the group's fp32 sums: FSDP2 asserts ("FSDP reduce-scatter expects uniform gradient dtype", one
-    H100, session 35). Handed one micro-batch earlier, FSDP2 holds it in fp32 like the rest.
+    Why a bf16 weight does not get one hand-over at the last micro-batch: over one rank FSDP2 defers the reduction
+    to the last micro-batch and keeps the earlier micro-batches' gradients in its reduce dtype (fp32), and it reduces
+    a group only if all of its gradients share one dtype. A head gradient handed at the last micro-batch only is
+    still in the weight's dtype (bf16) beside the group's fp32 sums: FSDP2 asserts ("FSDP reduce-scatter expects
+    uniform gradient dtype", one H100, session 35). Handed one micro-batch earlier, FSDP2 holds it in fp32 like the
+    rest. An fp32 weight has no such neighbours to match: it gets the whole sum at the last micro-batch, as the fp32
+    buffer itself (no scale, cast or copy pass: the upstream gradient is checked to be 1).
+
+    It also holds the step's copy of an fp32 head weight in the GEMMs' dtype (`compute_weight`), made at the first
+    micro-batch and dropped with the last one's forward.
 
     The training step's contract: `begin_step()` before a step; `micro_batch(index, count)` before each
     micro-batch's forward loss, whose total is back-propagated with upstream gradient 1 (checked on the device)
@@ -136,18 +143,39 @@ class HeadGradAccumulator:
 
     def __init__(self):
         self.buffer_VH: torch.Tensor | None = None  # the fp32 sum of the step's micro-batches not yet handed over
-        self.hand_over = True  # this micro-batch's backward hands the sum (its own gradient included) to autograd
+        self.weight_copy_VH: torch.Tensor | None = None  # this step's copy of an fp32 head weight in the GEMMs' dtype
+        self.index, self.count = 0, 1  # the current micro-batch of the step
 
     def begin_step(self) -> None:
-        """Forget any partial sum (a step that raised between micro-batches)."""
+        """Forget any partial sum and weight copy (a step that raised between micro-batches)."""
         self.buffer_VH = None
+        self.weight_copy_VH = None
 
     def micro_batch(self, index: int, count: int) -> HeadGradAccumulator:
         """Mark micro-batch `index` of the step's `count`; returns self for `forward_loss(head_grad=...)`."""
         if not 0 <= index < count:
             raise ValueError(f"micro-batch {index} of {count}")
-        self.hand_over = index >= count - 2
+        self.index, self.count = index, count
         return self
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    def hands_over(self, weight_dtype: torch.dtype) -> bool:
+        """Whether this micro-batch's backward hands the sum (its own gradient included) to autograd: the last one
+        for an fp32 weight, the last two for another dtype (class docstring)."""
+        return self.last or (weight_dtype != torch.float32 and self.index == self.count - 2)
+
+    def compute_weight(self, weight_VH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`weight_VH` in `dtype`: the step's one copy (made at its first use, dropped after the last micro-batch's
+        forward by the loss) when the dtypes differ, the weight itself when they agree."""
+        if weight_VH.dtype == dtype:
+            return weight_VH
+        copy = self.weight_copy_VH
+        if copy is None or copy.dtype != dtype or copy.shape != weight_VH.shape:
+            copy = self.weight_copy_VH = weight_VH.detach().to(dtype)
+        return copy
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -169,7 +197,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         head_grad = head_grad if needs_grad and ctx.needs_input_grad[1] else None
         chunk_fn = _chunk_function(hidden_TH.device, compiled)
         mm_dtype = hidden_TH.dtype
-        w_VH = weight_VH.to(mm_dtype)
+        w_VH = head_grad.compute_weight(weight_VH, mm_dtype) if head_grad is not None else weight_VH.to(mm_dtype)
         fp32_out = mm_dtype != torch.float32 and _fp32_out_gemms(hidden_TH.device)
         T = hidden_TH.shape[0]
         ce_T = torch.empty(T, dtype=torch.float32, device=hidden_TH.device)
@@ -198,12 +226,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             first = start == 0 and partial_sum is None
             _accumulate_weight_grad(grad_weight_VH, g_CV.t(), h_CH, first=first, fp32_out=fp32_out)
             del g_CV
+        if head_grad is not None and head_grad.last:
+            head_grad.weight_copy_VH = None  # the step's last GEMM with it has run
         if needs_grad:
             # with an accumulator, only the hand-over micro-batches give the weight a gradient (the sum so far)
-            ctx.hands_weight_grad = head_grad is None or head_grad.hand_over
+            ctx.hands_weight_grad = head_grad is None or head_grad.hands_over(weight_VH.dtype)
             ctx.accumulates = head_grad is not None
             if head_grad is not None:
-                head_grad.buffer_VH = None if head_grad.hand_over else grad_weight_VH
+                head_grad.buffer_VH = None if ctx.hands_weight_grad else grad_weight_VH
             ctx.save_for_backward(grad_hidden_TH, grad_weight_VH if ctx.hands_weight_grad else None)
             ctx.weight_dtype = weight_VH.dtype
         total = (ce_T * token_weight_T).sum()
@@ -222,8 +252,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             )  # fmt: skip
         g_h = (grad_hidden_TH * grad_total.to(grad_hidden_TH.dtype)) if ctx.needs_input_grad[0] else None
         g_w = None
-        if ctx.needs_input_grad[1] and ctx.hands_weight_grad:  # scale and cast in one kernel
-            g_w = torch.mul(grad_weight_VH, grad_total, out=torch.empty_like(grad_weight_VH, dtype=ctx.weight_dtype))
+        if ctx.needs_input_grad[1] and ctx.hands_weight_grad:
+            if ctx.accumulates and ctx.weight_dtype == grad_weight_VH.dtype:
+                g_w = grad_weight_VH  # the upstream gradient is 1 (checked above): the fp32 sum as it is
+            else:  # scale and cast in one kernel
+                out = torch.empty_like(grad_weight_VH, dtype=ctx.weight_dtype)
+                g_w = torch.mul(grad_weight_VH, grad_total, out=out)
         return g_h, g_w, None, None, None, None, None, None
 
 

@@ -322,3 +322,69 @@ def test_long_context_compiles_every_block_in_pieces_with_eager_expert_chunks(mo
     g = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     g_ref = torch.cat([p.grad.flatten() for p in ref.parameters() if p.grad is not None])
     assert ((g - g_ref).norm() / g_ref.norm()).item() < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_process_keeps_the_vocabulary_tables_out_of_fsdp2(free_port):
+    """One CUDA process (the one-GPU run, bf16 compute): the blocks and the root are FSDP2 groups, but the embedding
+    and head weights stay plain fp32 parameters; the lookup hands the blocks bf16. Three micro-batches through the
+    trainer's loss path (`HeadGradAccumulator`, deferred reduction) give the tables fp32 gradients equal to the fp32
+    model's on the same micro-batches to bf16 rounding of the compute: relative Frobenius difference < 3e-2 (the
+    whole model in bf16 on CPU: 1.4e-2 for the embedding, 1.1e-2 for the head); the summed loss to 1e-2."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from llm_training.trainer.losses import HeadGradAccumulator
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port}", rank=0, world_size=1)
+    try:
+        dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
+        dims.build_mesh("cuda")
+        config = _config()
+        config.training = types.SimpleNamespace(mixed_precision_param="bfloat16", mixed_precision_reduce="float32")
+        with torch.device("meta"):
+            model = Motif3Model(ARGS)
+        parallel = parallelize_motif(model, dims, config, torch.device("cuda"))
+        model.to_empty(device="cuda")
+        model.init_weights(buffer_device=torch.device("cuda"))
+        set_model_state_dict(model, _reference_model().state_dict(), options=StateDictOptions(full_state_dict=True))
+        for table in (model.embed_tokens.weight, model.lm_head.weight):
+            assert not isinstance(table, DTensor) and table.dtype == torch.float32
+        assert not isinstance(model.embed_tokens, FSDPModule) and isinstance(model, FSDPModule)
+        assert isinstance(model.layers[0].self_attn.wq_b.weight, DTensor)
+        b = _batch()
+        normalisers = count_labelled_tokens(b.targets())
+        micro = [b.map(lambda t, k=k: t[k : k + 1]) for k in range(3)]  # rows 0-2: three micro-batches
+        acc = HeadGradAccumulator()
+        acc.begin_step()
+        total = 0.0
+        for k, mb in enumerate(micro):
+            parallel.set_gradient_sync(last_micro_batch=k == len(micro) - 1)
+            mb = mb.map(lambda t: t.cuda())
+            assert model.embed_tokens(mb.input_ids).dtype == torch.bfloat16
+            out = model(mb.input_ids, mb.position_ids, mb.document_ids, mb.mtp_input_ids, return_hidden=True)
+            loss = micro_batch_loss(out, model.lm_head.weight, mb.labels, mb.mtp_labels, normalisers.cuda(), 0.3,
+                                    1.0 / len(micro), head_grad=acc.micro_batch(k, len(micro)))  # fmt: skip
+            loss.total.backward()
+            total += float(loss.total)
+        parallel.sync_replicated_grads()
+        ref = _reference_model()
+        ref_total = 0.0
+        for mb in micro:
+            out = ref(mb.input_ids, mb.position_ids, mb.document_ids, mb.mtp_input_ids, return_hidden=True)
+            ref_loss = micro_batch_loss(out, ref.lm_head.weight, mb.labels, mb.mtp_labels, normalisers, 0.3,
+                                        1.0 / len(micro)).total  # fmt: skip
+            ref_loss.backward()
+            ref_total += float(ref_loss)
+        assert abs(total - ref_total) < 1e-2 * abs(ref_total)
+        for table, ref_table in ((model.embed_tokens, ref.embed_tokens), (model.lm_head, ref.lm_head)):
+            got = table.weight.grad
+            assert got.dtype == torch.float32 and not isinstance(got, DTensor)
+            assert float((got.cpu() - ref_table.weight.grad).norm() / ref_table.weight.grad.norm()) < 3e-2
+    finally:
+        if created:
+            destroy_process_group()

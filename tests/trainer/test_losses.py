@@ -328,14 +328,18 @@ def test_compiled_chunk_arithmetic_matches_eager_cuda():
         torch.testing.assert_close(comp, eager, rtol=2e-2, atol=1e-5)
 
 
-def test_head_grad_accumulator_hands_two_gradients_per_step():
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["fp32_weight", "bf16_weight"])
+def test_head_grad_accumulator_hands_the_sum_over_at_the_end_of_the_step(weight_dtype):
     """Four micro-batches through one accumulator give the head weight the same gradient as four separate losses
-    (summed by autograd). Only two backwards hand it one: the third (the sum of micro-batches 1 to 3) and the last
-    (its own); the first two leave `weight.grad` untouched. The hidden gradients are each micro-batch's own.
-    Between steps the accumulator holds nothing."""
+    (summed by autograd). A bf16 weight (FSDP2's gathered copy) is handed two gradients: at the third backward (the
+    sum of micro-batches 1 to 3) and the last (its own); an fp32 weight one, at the last backward: the fp32 buffer
+    itself, no copy. Earlier backwards leave `weight.grad` untouched. The hidden gradients are each micro-batch's
+    own. Between steps the accumulator holds nothing."""
     from llm_training.trainer.losses import HeadGradAccumulator
 
+    first_hand_over = 2 if weight_dtype == torch.bfloat16 else 3
     micro = [_inputs(T=29, seed=s) for s in range(4)]
+    micro = [(h.to(weight_dtype), w.to(weight_dtype), y) for h, w, y in micro]
     weight = micro[0][1].clone().requires_grad_()
     ref_w = weight.detach().clone().requires_grad_()
     ref_h, ref_after = [], []
@@ -350,18 +354,56 @@ def test_head_grad_accumulator_hands_two_gradients_per_step():
         acc.begin_step()
         for k, (hidden, _, labels) in enumerate(micro):
             h = hidden.clone().requires_grad_()
+            # the sum of the micro-batches before this one (its address only: a reference would make autograd copy it)
+            held = acc.buffer_VH.data_ptr() if acc.buffer_VH is not None else None
             total, _ = linear_cross_entropy_segments(
                 [h], weight, [labels], [0.25], chunk_tokens=8, head_grad=acc.micro_batch(k, len(micro))
             )
             total.backward()
             torch.testing.assert_close(h.grad, ref_h[k], rtol=0, atol=0)
-            if k < 2:
+            if k < first_hand_over:
                 assert weight.grad is None and acc.buffer_VH is not None, (step, k)
             else:  # after the hand-overs autograd holds every micro-batch so far
-                torch.testing.assert_close(weight.grad, ref_after[k], rtol=1e-6, atol=1e-7)
+                if weight_dtype == torch.float32:  # one fp32 sum against autograd's sum of the four: fp32 rounding
+                    torch.testing.assert_close(weight.grad, ref_after[k], rtol=1e-5, atol=1e-6)
+                else:  # the reference sums four bf16-rounded gradients in bf16: a few bf16 ulps of the whole
+                    assert _rel_err(weight.grad, ref_after[k]) < 1e-2
                 assert acc.buffer_VH is None
+        if weight_dtype == torch.float32:
+            assert weight.grad.data_ptr() == held  # the sum itself: no scale, cast or copy pass
     with pytest.raises(ValueError, match="micro-batch 4 of 4"):
         acc.micro_batch(4, 4)
+
+
+def test_head_grad_accumulator_casts_an_fp32_weight_once_per_step():
+    """bf16 hiddens against an fp32 head weight (one GPU: the head stays out of FSDP2): the weight is cast to bf16
+    once per step, at its first micro-batch, not once per micro-batch; the copy is gone after the last forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from llm_training.trainer.losses import HeadGradAccumulator
+
+    class CountWeightCasts(TorchDispatchMode):
+        def __init__(self, weight):
+            super().__init__()
+            self.weight, self.casts = weight, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() == self.weight.data_ptr():
+                self.casts += 1
+            return func(*args, **(kwargs or {}))
+
+    micro = [_inputs(T=16, seed=s) for s in range(3)]
+    weight = micro[0][1].clone().requires_grad_()
+    acc = HeadGradAccumulator()
+    acc.begin_step()
+    with CountWeightCasts(weight) as counter:
+        for k, (hidden, _, labels) in enumerate(micro):
+            h = hidden.to(torch.bfloat16).requires_grad_()
+            total, _ = linear_cross_entropy_segments([h], weight, [labels], [1.0], head_grad=acc.micro_batch(k, 3))
+            assert (acc.weight_copy_VH is None) == (k == 2)
+            total.backward()
+    assert counter.casts == 1
+    assert weight.grad.dtype == torch.float32
 
 
 def test_head_grad_accumulation_under_fsdp2_deferred_bf16_reduction():
