@@ -103,6 +103,30 @@ class ParallelizedModel:
             self.model.set_reshard_after_backward(last_micro_batch)
 
 
+def fsdp_mixed_precision(parallel_dims, job_config, device: torch.device):
+    """FSDP2's MixedPrecisionPolicy for this run, or None where FSDP2 is not applied (module docstring: a process
+    group, and more than one data-parallel rank or a CUDA device): the configured parameter and reduction dtypes on
+    CUDA, fp32 on CPU (gloo)."""
+    use_fsdp = dist.is_initialized() and (
+        parallel_dims.dp_enabled or parallel_dims.fsdp_enabled or device.type == "cuda"
+    )
+    if not use_fsdp:
+        if device.type == "cuda" and job_config.training.mixed_precision_param == "bfloat16":
+            raise RuntimeError(
+                "bf16 mixed precision on CUDA needs a process group (FSDP2 provides it, even on one GPU): set up "
+                "the run with llm_training.distributed.utils.setup_distributed"
+            )
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if device.type != "cuda":
+        return MixedPrecisionPolicy()  # fp32 on CPU / gloo
+    return MixedPrecisionPolicy(
+        param_dtype=getattr(torch, job_config.training.mixed_precision_param),
+        reduce_dtype=getattr(torch, job_config.training.mixed_precision_reduce),
+    )
+
+
 def vocabulary_tables(model: nn.Module) -> list[str]:
     """The names of the input embedding's and the output head's [V, H] weights (module docstring: one process keeps
     them out of FSDP2)."""
@@ -175,30 +199,14 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
         sublayers = granularity == "sublayer" or (granularity == "auto" and ac_mode == "none")
         apply_compile(whole, sublayers=sublayers, kernel_tuning=tuning)
 
-    use_fsdp = dist.is_initialized() and (
-        parallel_dims.dp_enabled or parallel_dims.fsdp_enabled or device.type == "cuda"
-    )
-    if not use_fsdp:
-        if device.type == "cuda" and job_config.training.mixed_precision_param == "bfloat16":
-            raise RuntimeError(
-                "bf16 mixed precision on CUDA needs a process group (FSDP2 provides it, even on one GPU): set up "
-                "the run with llm_training.distributed.utils.setup_distributed"
-            )
+    mp = fsdp_mixed_precision(parallel_dims, job_config, device)
+    if mp is None:
         return ParallelizedModel(model, fsdp=False, blocks_compiled_in_pieces=len(in_pieces))
-
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mesh = parallel_dims.world_mesh
     if mesh is None:
         raise RuntimeError("parallelize_motif: the device mesh is not built (setup_distributed builds it once)")
     fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"] if parallel_dims.dp_replicate_enabled else mesh["dp_shard_cp"]
-    if device.type == "cuda":
-        mp = MixedPrecisionPolicy(
-            param_dtype=getattr(torch, job_config.training.mixed_precision_param),
-            reduce_dtype=getattr(torch, job_config.training.mixed_precision_reduce),
-        )
-    else:
-        mp = MixedPrecisionPolicy()  # fp32 on CPU / gloo
     replicated = fp32_param_names(model)
     expert_names = set(expert_plan.expert_param_names) if expert_plan else set()
     expert_modules = [m.experts for m in model.modules() if isinstance(m, MoE)] if expert_plan else []

@@ -324,67 +324,108 @@ def test_long_context_compiles_every_block_in_pieces_with_eager_expert_chunks(mo
     assert ((g - g_ref).norm() / g_ref.norm()).item() < 1e-4
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_one_process_keeps_the_vocabulary_tables_out_of_fsdp2(free_port):
-    """One CUDA process (the one-GPU run, bf16 compute): the blocks and the root are FSDP2 groups, but the embedding
-    and head weights stay plain fp32 parameters; the lookup hands the blocks bf16. Three micro-batches through the
-    trainer's loss path (`HeadGradAccumulator`, deferred reduction) give the tables fp32 gradients equal to the fp32
-    model's on the same micro-batches to bf16 rounding of the compute: relative Frobenius difference < 3e-2 (the
-    whole model in bf16 on CPU: 1.4e-2 for the embedding, 1.1e-2 for the head); the summed loss to 1e-2."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+def _one_process_bf16_step(model, parallel, device):
+    """Three micro-batches (rows 0-2 of `_batch`) of a model parallelized in one process, through the trainer's loss
+    path (`HeadGradAccumulator`, deferred reduction), against the fp32 reference model on the same micro-batches:
+    (loss, reference loss); the gradients are left on both models (the reference is returned too)."""
+    from llm_training.trainer.losses import HeadGradAccumulator
+
+    b = _batch()
+    normalisers = count_labelled_tokens(b.targets())
+    micro = [b.map(lambda t, k=k: t[k : k + 1]) for k in range(3)]
+    acc = HeadGradAccumulator()
+    acc.begin_step()
+    total = 0.0
+    for k, mb in enumerate(micro):
+        parallel.set_gradient_sync(last_micro_batch=k == len(micro) - 1)
+        mb = mb.map(lambda t: t.to(device))
+        out = model(mb.input_ids, mb.position_ids, mb.document_ids, mb.mtp_input_ids, return_hidden=True)
+        loss = micro_batch_loss(out, model.lm_head.weight, mb.labels, mb.mtp_labels, normalisers.to(device), 0.3,
+                                1.0 / len(micro), head_grad=acc.micro_batch(k, len(micro)))  # fmt: skip
+        loss.total.backward()
+        total += float(loss.total.detach())
+    parallel.sync_replicated_grads()
+    ref = _reference_model()
+    ref_total = 0.0
+    for mb in micro:
+        out = ref(mb.input_ids, mb.position_ids, mb.document_ids, mb.mtp_input_ids, return_hidden=True)
+        ref_loss = micro_batch_loss(out, ref.lm_head.weight, mb.labels, mb.mtp_labels, normalisers, 0.3,
+                                    1.0 / len(micro)).total  # fmt: skip
+        ref_loss.backward()
+        ref_total += float(ref_loss.detach())
+    return total, ref_total, ref
+
+
+def _check_one_process_tables(model, ref, total, ref_total):
+    """The tables are plain fp32 parameters outside FSDP2 (the blocks and the root are FSDP2 groups) with fp32
+    gradients equal to the fp32 model's to bf16 rounding of the compute: relative Frobenius difference < 3e-2 (the
+    whole model in bf16 on CPU: 1.4e-2 for the embedding, 1.1e-2 for the head); the summed loss to 1e-3 (2e-5 in
+    the CPU run of this path)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from llm_training.trainer.losses import HeadGradAccumulator
+    assert not isinstance(model.embed_tokens, FSDPModule) and isinstance(model, FSDPModule)
+    assert isinstance(model.layers[0].self_attn.wq_b.weight, DTensor)
+    assert abs(total - ref_total) < 1e-3 * abs(ref_total)
+    for table, ref_table in ((model.embed_tokens, ref.embed_tokens), (model.lm_head, ref.lm_head)):
+        assert not isinstance(table.weight, DTensor) and table.weight.dtype == torch.float32
+        got = table.weight.grad
+        assert got.dtype == torch.float32 and not isinstance(got, DTensor)
+        assert float((got.cpu() - ref_table.weight.grad).norm() / ref_table.weight.grad.norm()) < 3e-2
 
+
+def _one_process_model(device: str):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
+    dims.build_mesh(device)
+    config = _config()
+    config.training = types.SimpleNamespace(mixed_precision_param="bfloat16", mixed_precision_reduce="float32")
+    with torch.device("meta"):
+        model = Motif3Model(ARGS)
+    parallel = parallelize_motif(model, dims, config, torch.device(device))
+    model.to_empty(device=device)
+    model.init_weights(buffer_device=torch.device(device))
+    set_model_state_dict(model, _reference_model().state_dict(), options=StateDictOptions(full_state_dict=True))
+    return model, parallel
+
+
+def test_one_process_bf16_keeps_the_vocabulary_tables_out_of_fsdp2_on_gloo(monkeypatch):
+    """The one-GPU setup's decisions on CPU: one gloo process, FSDP2 with bf16 parameters and fp32 reduction (what
+    `fsdp_mixed_precision` gives on CUDA): the lookup hands the blocks bf16 from the fp32 table, and a step of three
+    micro-batches gives the tables the fp32 model's gradients (`_check_one_process_tables`)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from llm_training.motif import parallelize
+
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    monkeypatch.setattr(parallelize, "fsdp_mixed_precision", lambda *_: bf16)
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, parallel = _one_process_model("cpu")
+        assert model.embed_tokens(torch.tensor([[1, 2]])).dtype == torch.bfloat16
+        total, ref_total, ref = _one_process_bf16_step(model, parallel, torch.device("cpu"))
+        _check_one_process_tables(model, ref, total, ref_total)
+    finally:
+        if created:
+            destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_process_keeps_the_vocabulary_tables_out_of_fsdp2(free_port):
+    """The same on one GPU (`fsdp_mixed_precision` as it is on CUDA: bf16 parameters, fp32 reduction), through the
+    CUDA loss (fp32-output GEMMs into the step's fp32 buffer, the Triton CE kernel)."""
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port}", rank=0, world_size=1)
     try:
-        dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=1)
-        dims.build_mesh("cuda")
-        config = _config()
-        config.training = types.SimpleNamespace(mixed_precision_param="bfloat16", mixed_precision_reduce="float32")
-        with torch.device("meta"):
-            model = Motif3Model(ARGS)
-        parallel = parallelize_motif(model, dims, config, torch.device("cuda"))
-        model.to_empty(device="cuda")
-        model.init_weights(buffer_device=torch.device("cuda"))
-        set_model_state_dict(model, _reference_model().state_dict(), options=StateDictOptions(full_state_dict=True))
-        for table in (model.embed_tokens.weight, model.lm_head.weight):
-            assert not isinstance(table, DTensor) and table.dtype == torch.float32
-        assert not isinstance(model.embed_tokens, FSDPModule) and isinstance(model, FSDPModule)
-        assert isinstance(model.layers[0].self_attn.wq_b.weight, DTensor)
-        b = _batch()
-        normalisers = count_labelled_tokens(b.targets())
-        micro = [b.map(lambda t, k=k: t[k : k + 1]) for k in range(3)]  # rows 0-2: three micro-batches
-        acc = HeadGradAccumulator()
-        acc.begin_step()
-        total = 0.0
-        for k, mb in enumerate(micro):
-            parallel.set_gradient_sync(last_micro_batch=k == len(micro) - 1)
-            mb = mb.map(lambda t: t.cuda())
-            assert model.embed_tokens(mb.input_ids).dtype == torch.bfloat16
-            out = model(mb.input_ids, mb.position_ids, mb.document_ids, mb.mtp_input_ids, return_hidden=True)
-            loss = micro_batch_loss(out, model.lm_head.weight, mb.labels, mb.mtp_labels, normalisers.cuda(), 0.3,
-                                    1.0 / len(micro), head_grad=acc.micro_batch(k, len(micro)))  # fmt: skip
-            loss.total.backward()
-            total += float(loss.total)
-        parallel.sync_replicated_grads()
-        ref = _reference_model()
-        ref_total = 0.0
-        for mb in micro:
-            out = ref(mb.input_ids, mb.position_ids, mb.document_ids, mb.mtp_input_ids, return_hidden=True)
-            ref_loss = micro_batch_loss(out, ref.lm_head.weight, mb.labels, mb.mtp_labels, normalisers, 0.3,
-                                        1.0 / len(micro)).total  # fmt: skip
-            ref_loss.backward()
-            ref_total += float(ref_loss)
-        assert abs(total - ref_total) < 1e-2 * abs(ref_total)
-        for table, ref_table in ((model.embed_tokens, ref.embed_tokens), (model.lm_head, ref.lm_head)):
-            got = table.weight.grad
-            assert got.dtype == torch.float32 and not isinstance(got, DTensor)
-            assert float((got.cpu() - ref_table.weight.grad).norm() / ref_table.weight.grad.norm()) < 3e-2
+        model, parallel = _one_process_model("cuda")
+        assert model.embed_tokens(torch.tensor([[1, 2]], device="cuda")).dtype == torch.bfloat16
+        total, ref_total, ref = _one_process_bf16_step(model, parallel, torch.device("cuda"))
+        _check_one_process_tables(model, ref, total, ref_total)
     finally:
         if created:
             destroy_process_group()
