@@ -16,6 +16,7 @@ from torch import nn
 
 from llm_training.layers.attention.gdla import GDLAttention
 from llm_training.layers.attention.backends import AttentionMetadata, build_attention_metadata
+from llm_training.layers.embedding import Embedding
 from llm_training.layers.ffn import FeedForward
 from llm_training.layers.mhc.hyper_connections import MHC, StreamSource
 from llm_training.layers.moe import MoE, RouterStats
@@ -169,7 +170,7 @@ class Motif3Model(nn.Module):
         H = args.hidden_size
         rope_full, rope_sliding = build_rotary_embeddings(args)
         self._ropes = (rope_full, rope_sliding)  # shared by the blocks; tables built in forward, before them
-        self.embed_tokens = nn.Embedding(args.vocab_size, H)
+        self.embed_tokens = Embedding(args.vocab_size, H)
         self.layers = nn.ModuleList(
             TransformerBlock(args, i, rope_full, rope_sliding, attention_backend, mhc_backward)
             for i in range(args.num_hidden_layers)

@@ -46,10 +46,12 @@ Choices:
     it cast the embedding's [V, H] table to bf16 at every micro-batch's forward (the embedding is resharded after
     it, see above), cast and added its dense gradient into an fp32 accumulator at every backward, and packed,
     copied and re-copied both tables' fp32 gradients at the last one: 46 ms of a 890 ms one-H100 proxy_16e step
-    (bench_vs_torchtitan --profile-steps 1, session 37). Out of FSDP2 the lookup reads its rows from the fp32 table
-    and its output is cast to the compute dtype (`_cast_output`), autograd sums the lookup's fp32 gradients, and
-    the loss casts the head to bf16 once per step and hands it its fp32 gradient sum once
-    (`trainer.losses.HeadGradAccumulator`).
+    (bench_vs_torchtitan --profile-steps 1, session 37). Out of FSDP2 the lookup reads its rows from the fp32 table,
+    hands them on in the compute dtype and adds their gradients into the table's fp32 `.grad` in place
+    (`layers.embedding.Embedding.accumulate_grad_in_place`: no dense [V, H] gradient per micro-batch), and the
+    loss casts the head to bf16 once per step and hands it its fp32 gradient sum once
+    (`trainer.losses.HeadGradAccumulator`): 889.9 -> 855.4 ms per step on one H100 with the tables out of FSDP2
+    (session 38, the same harness and machine).
 """
 
 from __future__ import annotations
@@ -134,13 +136,6 @@ def vocabulary_tables(model: nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if any(p is t for t in tables)]
 
 
-def _cast_output(module: nn.Module, dtype: torch.dtype) -> None:
-    """`module`'s forward output cast to `dtype` (a forward hook): the embedding of a table kept in fp32 hands the
-    blocks the compute dtype FSDP2's gathered bf16 table would have given; the cast's backward brings the gradient
-    back to fp32 for the table."""
-    module.register_forward_hook(lambda _module, _args, output: output.to(dtype))
-
-
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks: trunk layers then MTP modules."""
     return [*model.layers, *model.mtp_layers]
@@ -215,8 +210,8 @@ def parallelize_motif(model: nn.Module, parallel_dims, job_config, device: torch
     tables = vocabulary_tables(model) if one_process else []
     embedding = None if one_process else model.embed_tokens
     apply_fsdp(model, blocks(model), fsdp_mesh, mp, replicated + tables, expert_modules, expert_mesh, embedding)
-    if one_process and mp.param_dtype is not None:
-        _cast_output(model.embed_tokens, mp.param_dtype)
+    if one_process:
+        model.embed_tokens.accumulate_grad_in_place(mp.param_dtype)
     single_shard = mesh["dp_shard_cp"].size() == 1
     if single_shard:  # one all-gather per optimizer step (ParallelizedModel.defer_grad_sync)
         model.set_reshard_after_forward(False)

@@ -365,6 +365,7 @@ def _check_one_process_tables(model, ref, total, ref_total):
     from torch.distributed.tensor import DTensor
 
     assert not isinstance(model.embed_tokens, FSDPModule) and isinstance(model, FSDPModule)
+    assert model.embed_tokens.grad_in_place  # its backward adds into the fp32 .grad (layers.embedding)
     assert isinstance(model.layers[0].self_attn.wq_b.weight, DTensor)
     assert abs(total - ref_total) < 1e-3 * abs(ref_total)
     for table, ref_table in ((model.embed_tokens, ref.embed_tokens), (model.lm_head, ref.lm_head)):
