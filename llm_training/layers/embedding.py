@@ -6,9 +6,9 @@ where the table is a plain fp32 tensor outside FSDP2 (one process: `motif/parall
   * `grad_in_place`: the backward adds the looked-up rows' gradients straight into the table's `.grad` (fp32,
     created as zeros by the first backward after `zero_grad`), so the micro-batches of a step accumulate into one
     buffer. Autograd's own path makes a dense [V, H] gradient per micro-batch (a fill of the whole table, the
-    scatter of the rows) and then adds it into `.grad` (a read of two [V, H] tensors and a write of one): at Motif-3's
-    vocabulary and 4 micro-batches per step, 3.6 GB of fill and 3 adds of 3.6 GB each per step, about 15 ms of a 870
-    ms one-H100 proxy_16e step (session-38 profile), for 8192-token micro-batches that touch at most 16384 rows.
+    scatter of the rows) and then adds it into `.grad` (a read of two [V, H] tensors and a write of one). At Motif-3's
+    vocabulary (V 220160, H 4096), 4 micro-batches of 16384 ids per step, one H100 (bench/bench_embedding.py,
+    session 38): 21.6 -> 4.9 ms per step, and 3.6 GiB less at the peak (no dense gradient beside `.grad`).
     The rows are added with `index_put_(accumulate=True)`: deterministic (on CUDA it sorts the indices and adds the
     rows of one token in their order, where `index_add_` would use atomics; on the CPU it runs serially). The table
     must then be a leaf that nothing else gives a gradient (FSDP2 and DTensor tables keep autograd's path).
