@@ -11,7 +11,8 @@ where the table is a plain fp32 tensor outside FSDP2 (one process: `motif/parall
     session 38): 21.6 -> 4.9 ms per step, and 3.6 GiB less at the peak (no dense gradient beside `.grad`).
     The rows are added with `index_put_(accumulate=True)`: deterministic (on CUDA it sorts the indices and adds the
     rows of one token in their order, where `index_add_` would use atomics; on the CPU it runs serially). The table
-    must then be a leaf that nothing else gives a gradient (FSDP2 and DTensor tables keep autograd's path).
+    must then be a leaf that nothing else gives a gradient (FSDP2 and DTensor tables keep autograd's path), and its
+    gradient is read from `.grad` after `backward()`: `torch.autograd.grad` would return None for it.
 """
 
 from __future__ import annotations
