@@ -1,9 +1,10 @@
-"""The token embedding: `nn.Embedding` (same parameter, `<module>.weight`) with two settings the parallelizer turns on
-where the table is a plain fp32 tensor outside FSDP2 (one process: `motif/parallelize.py`).
+"""The token embedding: `nn.Embedding` (same parameter, `<module>.weight`) with a lookup the parallelizer turns on
+where the table is a plain fp32 tensor outside FSDP2 (one process: `motif/parallelize.py`,
+`Embedding.accumulate_grad_in_place`):
 
-  * `output_dtype`: the lookup's rows are handed on in this dtype (the compute dtype FSDP2's gathered copy of the
-    table would give); the gradient comes back to the table's dtype in the backward.
-  * `grad_in_place`: the backward adds the looked-up rows' gradients straight into the table's `.grad` (fp32,
+  * its rows are handed on in `output_dtype` (the compute dtype FSDP2's gathered copy of the table would give); the
+    gradient comes back to the table's dtype in the backward;
+  * its backward adds the looked-up rows' gradients straight into the table's `.grad` (fp32,
     created as zeros by the first backward after `zero_grad`), so the micro-batches of a step accumulate into one
     buffer. Autograd's own path makes a dense [V, H] gradient per micro-batch (a fill of the whole table, the
     scatter of the rows) and then adds it into `.grad` (a read of two [V, H] tensors and a write of one). At Motif-3's
@@ -43,23 +44,22 @@ class _LookupWithGradInPlace(torch.autograd.Function):
 
 
 class Embedding(nn.Embedding):
-    """A token lookup, `nn.Embedding` unless the parallelizer sets `output_dtype` / `grad_in_place` (module
-    docstring). Without a padding index, max_norm, frequency scaling or sparse gradients (Motif-3 uses none)."""
+    """A token lookup: `nn.Embedding`'s until `accumulate_grad_in_place` turns on the lookup of the module docstring.
+    Without a padding index, max_norm, frequency scaling or sparse gradients (Motif-3 uses none)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__(num_embeddings, embedding_dim)
-        self.output_dtype: torch.dtype | None = None  # the rows' dtype; None: the table's
         self.grad_in_place = False  # the backward accumulates into weight.grad itself (module docstring)
+        self.output_dtype: torch.dtype | None = None  # the in-place lookup's rows' dtype; None: the table's
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        dtype = self.output_dtype or self.weight.dtype
         if self.grad_in_place:
-            return _LookupWithGradInPlace.apply(ids, self.weight, dtype)
-        return F.embedding(ids, self.weight).to(dtype)
+            return _LookupWithGradInPlace.apply(ids, self.weight, self.output_dtype or self.weight.dtype)
+        return super().forward(ids)
 
     def accumulate_grad_in_place(self, output_dtype: torch.dtype | None) -> None:
-        """Turn on both settings (module docstring) for a table that is a plain tensor: rows in `output_dtype` (None:
-        the table's), gradients added into `weight.grad` by the backward."""
+        """Turn on the lookup of the module docstring for a table that is a plain tensor: rows in `output_dtype`
+        (None: the table's), gradients added into `weight.grad` by the backward."""
         if type(self.weight.data) is not torch.Tensor:
             raise TypeError(
                 f"Embedding.accumulate_grad_in_place needs a plain tensor table, got {type(self.weight.data).__name__}"
