@@ -74,7 +74,7 @@ def _forget_in_memory_triton_builds(monkeypatch) -> None:
     from triton.runtime.jit import JITFunction
 
     for name, module in list(sys.modules.items()):
-        if module is None or name.partition(".")[0] not in ("activation", "llm_training"):
+        if module is None or name.partition(".")[0] not in ("activation", "llm_training", "optimizer"):
             continue
         for value in list(vars(module).values()):
             for _wrapper in range(3):  # an autotuned or heuristics kernel wraps its JITFunction in `.fn`

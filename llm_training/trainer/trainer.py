@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from activation.triton_prebuild import start_triton_prebuild
+from activation.triton_prebuild import capture_launches, start_triton_prebuild
 
 from llm_training.config import grad_accumulation_steps, to_toml
 from llm_training.distributed.compile import (
@@ -207,12 +207,13 @@ def all_reduce_step(sums: torch.Tensor, stats: dict[str, StepStat]) -> tuple[tor
     return sums, reduced
 
 
-# the modules of our Triton kernels (norms, mHC, the loss), which the prebuild's workers import as they start
+# the modules of our Triton kernels (norms, mHC, the loss, Muon), which the prebuild's workers import as they start
 TRITON_KERNEL_MODULES = (
     "activation.triton_kernels",
     "llm_training.layers.mhc.kernels",
     "llm_training.layers.mhc.sinkhorn_kernels",
     "llm_training.trainer.cross_entropy_kernels",
+    "optimizer.muon_kernels",
 )
 
 
@@ -282,8 +283,11 @@ class Trainer:
         self.num_mtp = spec.num_mtp_modules(self.model_args)
         self.compile_loss = c.compile.enable and "loss" in c.compile.components
         self.head_grad = HeadGradAccumulator()  # the head weight's gradient, summed over a step's micro-batches
-        if self.triton_prebuild is not None:  # the loss runs eagerly: its kernel is announced here
+        if self.triton_prebuild is not None:  # the loss and the optimizer run eagerly: their kernels are announced here
             prebuild_chunk_kernel(self.model_args.vocab_size, getattr(torch, t.mixed_precision_param))
+            if self.optimizers.muon is not None:
+                for what, launch in self.optimizers.muon.kernel_launches():
+                    capture_launches(launch, torch.empty(0, device="meta"), what=what)
 
         self.run_folder = Path(c.run_folder)
         model_config = spec.state_dict_adapter.run_hf_config(

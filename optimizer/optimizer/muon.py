@@ -20,8 +20,8 @@ input stored and iterated in the NS dtype, bf16 on CUDA):
      stack [N, m, k] in the NS dtype (tall ones through a transposed view): no intermediate tensor, no cast.
   3. One Newton-Schulz per bucket (up to 2^27 elements; a parameter is never split): Frobenius norms
      accumulated in fp32, division in fp32 arithmetic in place on the stack, iterations in the NS dtype,
-     every product one batched matmul over the N matrices; the last product also applies `-lr * scale`
-     (baddbmm's alpha / beta), so the stack holds the finished update `D = -lr * scale * O`.
+     every product one batched matmul over the N matrices; the last iteration's [N, m, m] factor carries
+     `-lr * scale`, so the stack holds the finished update `D = -lr * scale * O`.
   4. Decay and update in one kernel per parameter: `W <- D + (1 - lr wd) W` (one `add` written into W,
      reading the bf16 stack directly; fp32 arithmetic).
 
@@ -54,7 +54,9 @@ agree up to the 1e-7 epsilon).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -126,10 +128,34 @@ class _Entry:
         return update_scale(self.rows, self.cols)
 
 
+@functools.cache
+def _triton_kernels():
+    """`optimizer.muon_kernels` where triton imports, else None (imported at the first CUDA step)."""
+    try:
+        from optimizer import muon_kernels
+    except ImportError:
+        return None
+    return muon_kernels
+
+
+def _fused_kernels(strided: torch.Tensor, *contiguous: torch.Tensor):
+    """The Triton kernels module when it takes this call (CUDA tensors in its layouts, see `muon_kernels`), else
+    None: torch's kernels run."""
+    if strided.device.type != "cuda":
+        return None
+    kernels = _triton_kernels()
+    return kernels if kernels is not None and kernels.supported(strided, *contiguous) else None
+
+
 def _momentum_and_nesterov(out: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
-    """M <- G + mu M (in place, one kernel); out <- G + mu M (Nesterov) or M, in out's dtype, fp32 arithmetic,
-    without an intermediate tensor."""
+    """M <- G + mu M (in place); out <- G + mu M (Nesterov, with M as stored) or M, in out's dtype, fp32 arithmetic,
+    without an intermediate tensor. All three [count, R, K] (out possibly a transposed view): on CUDA one Triton
+    kernel (`muon_kernels`), elsewhere two torch kernels."""
     mu = group["momentum"]
+    kernels = _fused_kernels(out, grad, buf)
+    if kernels is not None:
+        kernels.momentum_nesterov_(out, grad, buf, mu, group["nesterov"])
+        return
     torch.add(grad, buf, alpha=mu, out=buf)
     if group["nesterov"]:
         torch.add(grad, buf, alpha=mu, out=out)
@@ -138,8 +164,14 @@ def _momentum_and_nesterov(out: torch.Tensor, grad: torch.Tensor, buf: torch.Ten
 
 
 def _decay_and_update(p_local: torch.Tensor, delta: torch.Tensor, group: dict) -> None:
-    """W <- delta + (1 - lr wd) W in one kernel (`delta` = -lr * scale * O, any float dtype; fp32 arithmetic)."""
-    torch.add(delta, p_local, alpha=1.0 - group["lr"] * group["weight_decay"], out=p_local)
+    """W <- delta + (1 - lr wd) W in one kernel (`delta` = -lr * scale * O, any float dtype, possibly a transposed
+    view; fp32 arithmetic): Triton's on CUDA (`muon_kernels`), torch's elsewhere."""
+    decay = 1.0 - group["lr"] * group["weight_decay"]
+    kernels = _fused_kernels(delta, p_local)
+    if kernels is not None:
+        kernels.decay_update_(p_local, delta, decay)
+    else:
+        torch.add(delta, p_local, alpha=decay, out=p_local)
 
 
 def _block_rows(total_rows: int, row_split: int, r0: int, r1: int):
@@ -249,6 +281,47 @@ class Muon(torch.optim.Optimizer):
         if "momentum_buffer" not in self.state[p]:
             dtype = self.momentum_dtype or p.dtype
             self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+
+    def kernel_launches(self) -> list[tuple[str, Callable[[], None]]]:
+        """(label, launch) for each specialisation of the Triton elementwise kernels (`muon_kernels`) that this
+        optimizer's step will launch, each launch running the kernels on meta tensors of a parameter's layout and
+        dtypes: for a Triton prebuild to build them ahead of the first step (llm_training's trainer hands them to
+        `activation.triton_prebuild.capture_launches`). Empty off CUDA or without triton. Assumes each gradient has
+        its parameter's dtype (FSDP2's fp32 reduction of fp32 parameters); what Triton specialises on besides the
+        dtypes and constexprs is whether each size is 1 or a multiple of 16, so one launch stands for all
+        parameters that agree on those."""
+        kernels = _triton_kernels()
+        launches: dict[tuple, tuple[str, Callable[[], None]]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if kernels is None or local(p).device.type != "cuda":
+                    continue
+                rows, cols = _matrix_shape(p.shape, group["row_split"])
+                if p.ndim == 2 and _split_mesh_dims(p):  # the owner path: the local rows, into the send buffer
+                    shape, transposed = (1, *local(p).shape), False
+                    stack_dtype = self.comm_dtype or self._ns_dtype(local(p))
+                else:
+                    shape, transposed = (local(p).shape[:-2].numel() * group["row_split"], rows, cols), rows > cols
+                    stack_dtype = self._ns_dtype(local(p))
+                buf_dtype = self.momentum_dtype or p.dtype
+                sizes = tuple((n == 1, n % 16 == 0) for n in shape[1:])
+                key = (sizes, transposed, p.dtype, buf_dtype, stack_dtype, group["nesterov"])
+                if shape[0] == 0 or key in launches:
+                    continue
+
+                def launch(shape=shape, transposed=transposed, dtypes=(p.dtype, buf_dtype, stack_dtype), group=group):
+                    grad, buf, w = (
+                        torch.empty(shape, dtype=d, device="meta") for d in (dtypes[0], dtypes[1], dtypes[0])
+                    )
+                    count, r, c = shape
+                    slots = torch.empty((count, c, r) if transposed else shape, dtype=dtypes[2], device="meta")
+                    slots = slots.mT if transposed else slots
+                    kernels.momentum_nesterov_(slots, grad, buf, group["momentum"], group["nesterov"])
+                    kernels.decay_update_(w, slots, 1.0)
+
+                layout = "transposed" if transposed else "rows"
+                launches[key] = (f"Muon elementwise {list(shape)} {layout} {p.dtype}/{buf_dtype}/{stack_dtype}", launch)
+        return list(launches.values())
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch.optim's load, then the momentum buffers back in `momentum_dtype` (torch.optim casts floating-point
@@ -360,7 +433,8 @@ class Muon(torch.optim.Optimizer):
             for dst in range(world):
                 for e in (e for e in chunk if e.owner == dst):
                     g, buf = local(e.param.grad), local(self.state[e.param]["momentum_buffer"])
-                    _momentum_and_nesterov(send[offset : offset + g.numel()].view(g.shape), g, buf, e.group)
+                    slot = send[offset : offset + g.numel()].view(1, *g.shape)
+                    _momentum_and_nesterov(slot, g.unsqueeze(0), buf.unsqueeze(0), e.group)
                     offset += g.numel()
             return all_to_all(send, in_split, out_split)
 
@@ -406,7 +480,7 @@ class Muon(torch.optim.Optimizer):
                     p_local = local(e.param)
                     ortho_local = pieces[src][offset : offset + p_local.numel()].view(p_local.shape)
                     offset += p_local.numel()
-                    _decay_and_update(p_local, ortho_local, e.group)
+                    _decay_and_update(p_local.unsqueeze(0), ortho_local.unsqueeze(0), e.group)
 
         gathers = [launch_gather(chunks[0])]
         yield
