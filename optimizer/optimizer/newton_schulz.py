@@ -16,16 +16,16 @@ through `gram()`, which uses `bmm` / `baddbmm` by default and the Triton kernel 
 tensors when the backend is `triton` (`set_gram_backend`, llm_training's `[kernels] muon_gram`; the environment
 variable `MUON_GRAM_BACKEND`, when set, overrides it) (measured on an H200, bench/bench_optimizer.py: the Triton kernel
 is about 2x slower than cuBLAS at the motif3_small attention/MLP shapes and on par for the batched expert
-stacks, so it is opt-in until it wins); the last product
-is one `bmm` by `a I + b P + c P^2`: the `a X` term rides on the [m, m] factor's diagonal (m additions), so no
-[N, m, k] operand is read or copied for it. The `baddbmm(X, poly, X, beta=a)` form reads X once more in the
-epilogue and, because torch's out-of-place baddbmm first copies its `input` into the result, copies the whole stack
-once per iteration (most of the 11.5 ms of device-to-device copies per step under Muon in the session-38 profile,
-one H100). In bf16 the diagonal a + poly_ii
-is rounded once more (it is added in fp32 to the rounded poly_ii): against an fp64 NS of the same inputs, the bf16
-result's relative Frobenius error is 1.58e-2 / 1.71e-2 / 1.25e-2 at [4, 24, 40] / [4, 64, 256] / [2, 256, 1024]
-where the `baddbmm` form's is 1.42e-2 / 1.36e-2 / 1.18e-2 (CPU, fp32 accumulation like cuBLAS's); in fp32 the two
-forms agree to rounding (the tests compare with torch.optim.Muon).
+stacks, so it is opt-in until it wins); the last product is one `bmm` by `a I + b P + c P^2`: the `a X` term rides
+on the [m, m] factor's diagonal (m additions), so no [N, m, k] operand is read or copied for it. The `baddbmm(X,
+poly, X, beta=a)` form reads X once more in the epilogue and, because torch's out-of-place baddbmm first copies its
+`input` into the result, copies the whole stack once per iteration (most of the 11.5 ms of device-to-device copies
+per step under Muon in the session-38 profile, one H100; bench/bench_optimizer.py there: NS of proxy_16e's Muon
+stacks 144.9 -> 135.3 ms). In bf16 the diagonal a + poly_ii is rounded once more (it
+is added in fp32 to the rounded poly_ii): against an fp64 NS of the same inputs, the bf16 result's relative
+Frobenius error is 1.58e-2 / 1.71e-2 / 1.25e-2 at [4, 24, 40] / [4, 64, 256] / [2, 256, 1024] where the `baddbmm`
+form's is 1.42e-2 / 1.36e-2 / 1.18e-2 (CPU, fp32 accumulation like cuBLAS's); in fp32 the two forms agree to
+rounding (the tests compare with torch.optim.Muon).
 """
 
 from __future__ import annotations
