@@ -15,15 +15,16 @@ input stored and iterated in the NS dtype, bf16 on CUDA):
      bucket takes `wq_a` of every layer, the gate and up halves of every expert stack, and `down_proj`
      [E, H, I] transposed next to `gate_up_proj`'s [I, H] halves; the Moonlight scale depends only on
      max(r, c), so `-lr * scale` is one number per bucket.
-  2. Per parameter, two elementwise kernels: momentum `M <- G + mu M` (one `add` written into M), then the
-     Nesterov input `G + mu M` (fp32 arithmetic) written straight into the parameter's slots of the bucket's
-     stack [N, m, k] in the NS dtype (tall ones through a transposed view): no intermediate tensor, no cast.
+  2. Per parameter, one elementwise pass: momentum `M <- G + mu M` stored into M, and the Nesterov input
+     `G + mu M` (fp32 arithmetic) written straight into the parameter's slots of the bucket's stack [N, m, k] in
+     the NS dtype (tall ones through a transposed view): no intermediate tensor, no cast. On CUDA one tiled Triton
+     kernel (`muon_kernels`); elsewhere two torch kernels.
   3. One Newton-Schulz per bucket (up to 2^27 elements; a parameter is never split): Frobenius norms
      accumulated in fp32, division in fp32 arithmetic in place on the stack, iterations in the NS dtype,
      every product one batched matmul over the N matrices; the last iteration's [N, m, m] factor carries
      `-lr * scale`, so the stack holds the finished update `D = -lr * scale * O`.
-  4. Decay and update in one kernel per parameter: `W <- D + (1 - lr wd) W` (one `add` written into W,
-     reading the bf16 stack directly; fp32 arithmetic).
+  4. Decay and update in one kernel per parameter: `W <- D + (1 - lr wd) W` (written into W, reading the bf16
+     stack directly; fp32 arithmetic; the tiled Triton kernel on CUDA, a torch `add` elsewhere).
 
 Placement rules (what decides the communication):
   * plain tensor or fully replicated DTensor: orthogonalise locally.

@@ -302,3 +302,10 @@ def test_momentum_dtype_survives_a_state_dict_round_trip_in_either_direction():
     for p_src, p_dst in zip(params16, fresh32.param_groups[0]["params"]):
         buf = fresh32.state[p_dst]["momentum_buffer"]
         assert buf.dtype == torch.float32 and torch.equal(buf, opt16.state[p_src]["momentum_buffer"].float())
+
+
+def test_no_kernel_launches_to_prebuild_off_cuda():
+    """`kernel_launches` announces the Triton elementwise kernels of CUDA parameters only: a CPU optimizer's step runs
+    torch's kernels, so there is nothing for a prebuild to build."""
+    params = [torch.zeros(8, 4, requires_grad=True), torch.zeros(2, 4, 8, requires_grad=True)]
+    assert Muon(params, lr=0.02).kernel_launches() == []
