@@ -5,7 +5,8 @@ of `--muon-flavor` (default motif3_proxy: its real Muon parameter set, built on 
 random weights and gradients) three ways: the earlier per-shape path (`per_shape_muon_step` below: main@1c6e804's
 single-device step), the first batched step (`batched_foreach_step`: one NS per wide shape, `_foreach`
 elementwise passes; both kept here only for this comparison) and the package's `Muon.step` ("fused": the update
-scale folded into the last NS product, momentum and decay + update one kernel each per parameter).
+scale folded into the last NS iteration, momentum with the Nesterov input and decay with the update one kernel each
+per parameter: Triton's tiled kernels on CUDA, `optimizer/muon_kernels.py`).
 
 Usage (H200):  python bench/bench_optimizer.py [--flavor motif3_small] [--muon-flavor motif3_proxy]
                [--repeats 10] [--out bench_optimizer.json]
@@ -285,7 +286,8 @@ def ns_only_ms(muon: Muon, repeats: int) -> float:
 
 def bench_muon_paths(flavor: str, repeats: int) -> dict:
     """Case (3): the Muon step of `flavor`'s Muon parameters: per-shape (main@1c6e804), batched (first batched
-    step, `_foreach` elementwise passes), fused (the package: folded scale, one-add momentum and update)."""
+    step, `_foreach` elementwise passes), fused (the package: folded scale, one pass for momentum + Nesterov input,
+    one for decay + update)."""
     muon, muon_params, shapes, ns_tflop = muon_case(flavor, "cuda")
     rel_per_shape = same_update_check(muon, muon_params, per_shape_muon_step)
     rel_batched = same_update_check(muon, muon_params, batched_foreach_step)
