@@ -225,6 +225,7 @@ class Motif3Model(nn.Module):
         mtp_input_ids: Optional[list] = None,
         return_hidden: bool = False,
         attention_document_ids: Optional[torch.Tensor] = None,
+        attention_cu_seqlens: Optional[torch.Tensor] = None,
     ) -> Motif3Output:
         """input_ids / position_ids / document_ids: [B, S]; `mtp_input_ids`: per MTP module k the ids it embeds,
         [B, S] each (the trainer's prepared batch carries them, sliced like every other [B, S] tensor;
@@ -233,7 +234,9 @@ class Motif3Model(nn.Module):
 
         Context parallelism: the [B, S] inputs are this rank's shard of longer sequences and
         `attention_document_ids` [B, S_full] are the document ids of the WHOLE sequences, which the attention
-        metadata is built from (the context-parallel kernels attend across shards); default: `document_ids`."""
+        metadata is built from (the context-parallel kernels attend across shards); default: `document_ids`.
+        `attention_cu_seqlens`: those documents' cu_seqlens (`fa4.document_cu_seqlens`) when the caller computed
+        them on the host, as the trainer does; else the metadata computes them from the device's ids, a host sync."""
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
@@ -249,6 +252,7 @@ class Motif3Model(nn.Module):
             attention_len,
             input_ids.device,
             (self.args.head_dim, self.args.v_head_dim),
+            cu_seqlens=attention_cu_seqlens,
         )
         for rope in self._ropes:
             rope.prepare(input_ids.device, S)

@@ -39,6 +39,9 @@ import torch
 from activation.backend import TRITON_AVAILABLE
 from activation.triton_prebuild import active_prebuild, capture_launches
 
+from llm_training.distributed.utils import to_device_async
+from llm_training.layers.attention.fa4 import document_cu_seqlens
+
 IGNORE_INDEX = -100
 # Elements of one fp32 logits chunk (chunk_tokens x vocab): 2^29 = 2 GiB. Large chunks keep the number of
 # per-chunk [V, H] weight-gradient updates (a full pass over a [V, H] buffer each) small. Measured on one H200
@@ -409,10 +412,17 @@ def forward_loss(
     and the validator both run a micro-batch through this. `attention_document_ids`: the whole sequences' document
     ids under context parallelism (`shard_batch`), else None. `head_weight(model)` gives the output projection
     (`ModelSpec.head_weight`); it is read AFTER the forward, when FSDP2 has gathered it (before, it is a shard).
-    `head_grad`: the training step's `HeadGradAccumulator`, marked for this micro-batch."""
-    b = cpu_batch.map(lambda x: x.to(device, non_blocking=True))
+    `head_grad`: the training step's `HeadGradAccumulator`, marked for this micro-batch.
+
+    Nothing here waits for the device, so the host can queue this micro-batch while the device still runs the last
+    one's backward: the tensors go through pinned memory (a pageable copy waits for the queue), and the documents'
+    cu_seqlens, which varlen attention needs, are computed from the host's ids (from the device's, torch.nonzero
+    would wait for the queue, once per micro-batch)."""
+    docs = cpu_batch.document_ids if attention_document_ids is None else attention_document_ids
+    cu_seqlens = to_device_async(document_cu_seqlens(docs), device)
+    b = cpu_batch.map(lambda x: to_device_async(x, device))
     if attention_document_ids is not None:
-        attention_document_ids = attention_document_ids.to(device, non_blocking=True)
+        attention_document_ids = to_device_async(attention_document_ids, device)
     out = model(
         b.input_ids,
         b.position_ids,
@@ -420,6 +430,7 @@ def forward_loss(
         b.mtp_input_ids,
         return_hidden=True,
         attention_document_ids=attention_document_ids,
+        attention_cu_seqlens=cu_seqlens,
     )
     loss = micro_batch_loss(
         out,

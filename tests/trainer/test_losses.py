@@ -516,3 +516,86 @@ def test_bf16_head_grad_accumulation_close_to_fp64_reference_cpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bf16_head_grad_accumulation_close_to_fp64_reference_cuda():
     _bf16_accumulated_case("cuda")
+
+
+def _packed_micro_batch(vocab: int, num_mtp: int):
+    """A CPU micro-batch of two rows packing 3 and 2 documents (the data loader's dict, prepared)."""
+    from llm_training.motif.mtp import mtp_inputs
+    from llm_training.trainer.batch import prepare_batch
+
+    g = torch.Generator().manual_seed(0)
+    docs = torch.tensor([[0] * 10 + [1] * 12 + [2] * 10, [3] * 20 + [4] * 12])
+    position_ids = torch.cat([torch.arange((row == d).sum()) for row in docs for d in row.unique()]).view(2, 32)
+    ids = torch.randint(0, vocab, (2, 32), generator=g)
+    raw = {"input_ids": ids, "labels": ids.roll(-1, 1), "position_ids": position_ids, "document_ids": docs}
+    return prepare_batch(raw, num_mtp, mtp_inputs)
+
+
+def test_forward_loss_hands_the_model_the_documents_cu_seqlens_computed_on_the_host(monkeypatch):
+    """forward_loss computes varlen attention's cu_seqlens from the host's document ids and the model's attention
+    metadata takes them: on CUDA the device's ids would cost a host sync per micro-batch (torch.nonzero), which
+    stalls the queue between micro-batches. The model, whose own computation is disabled here, gives the logits of
+    a forward that computes them itself. flash-attn-4 is emulated on the CPU (tests/fa4_emulation.py)."""
+    from llm_training.layers.attention import fa4
+    from llm_training.motif import get_flavor
+    from llm_training.motif.model import Motif3Model
+    from llm_training.trainer.losses import forward_loss
+    from tests.fa4_emulation import install_emulated_fa4
+
+    install_emulated_fa4(monkeypatch)
+    args = get_flavor("motif3_debug")
+    torch.manual_seed(0)
+    model = Motif3Model(args, attention_backend="fa4")
+    model.init_weights()
+    batch = _packed_micro_batch(args.vocab_size, len(model.mtp_layers))
+    expected_cu = fa4.document_cu_seqlens(batch.document_ids)
+    assert expected_cu.tolist() == [0, 10, 22, 32, 52, 64]
+    with torch.no_grad():
+        own = model(batch.input_ids, batch.position_ids, batch.document_ids, batch.mtp_input_ids)
+
+    handed = []
+    real_forward = model.forward
+
+    def forward(*a, **kw):
+        handed.append(kw["attention_cu_seqlens"])
+        return real_forward(*a, **kw)
+
+    def no_device_cu_seqlens(document_ids_BS):
+        raise AssertionError("the model computed cu_seqlens from its own ids")
+
+    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(fa4, "document_cu_seqlens", no_device_cu_seqlens)  # what the metadata would call
+    normalisers = count_labelled_tokens(batch.targets())
+    with torch.no_grad():
+        out, loss = forward_loss(
+            model, lambda m: m.lm_head.weight, batch, None, torch.device("cpu"), normalisers, 0.3, 0.0
+        )
+    assert len(handed) == 1 and handed[0].tolist() == expected_cu.tolist()
+    assert torch.isfinite(loss.total)
+    torch.testing.assert_close(out.hidden, own.hidden, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_micro_batch_moves_and_its_attention_metadata_wait_for_nothing_on_cuda():
+    """On CUDA the micro-batch's move (pinned, non-blocking) and its varlen metadata from host-computed cu_seqlens
+    make no synchronizing call (torch's sync debug mode "error" raises on one), so the host queues the next
+    micro-batch while the device still runs the last one's backward. The device's own cu_seqlens would sync."""
+    from llm_training.distributed.utils import to_device_async
+    from llm_training.layers.attention.backends import build_attention_metadata
+    from llm_training.layers.attention.fa4 import document_cu_seqlens
+
+    device = torch.device("cuda")
+    batch = _packed_micro_batch(1000, 1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moved = batch.map(lambda x: to_device_async(x, device))
+        cu = to_device_async(document_cu_seqlens(batch.document_ids), device)
+        meta = build_attention_metadata("fa4", moved.document_ids, [None, 8], 2, 32, device, cu_seqlens=cu)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            build_attention_metadata("fa4", moved.document_ids, [None, 8], 2, 32, device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert meta.cu_seqlens is cu and cu.tolist() == [0, 10, 22, 32, 52, 64]
+    assert torch.equal(moved.input_ids.cpu(), batch.input_ids) and moved.mtp_labels[0].device.type == "cuda"

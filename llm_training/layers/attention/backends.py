@@ -316,11 +316,14 @@ def build_attention_metadata(
     seq_len: int,
     device: torch.device,
     head_dims: Optional[tuple[int, int]] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> AttentionMetadata:
     """The metadata of one forward: the document ids plus, for each window in `windows` (None = full causal)
     that `backend` runs through FlexAttention on `device`, its block mask, and the documents' cu_seqlens when
-    `backend` runs varlen there (one host sync, here and not in the layers). `head_dims`: the layers' (qk, v)
-    head dims, which decide whether backend auto can run flash-attn-4 (`fa4_head_dims_problem`)."""
+    `backend` runs varlen there. `head_dims`: the layers' (qk, v) head dims, which decide whether backend auto can
+    run flash-attn-4 (`fa4_head_dims_problem`). `cu_seqlens`: those cu_seqlens, on `device`, when the caller has
+    them (`fa4.document_cu_seqlens` of its host copy of the ids, moved without waiting: the trainer's micro-batches);
+    else they are computed here from the device's ids, a host sync (torch.nonzero), here and not in the layers."""
     spec = get_attention_backend(backend)
     device = torch.device(device)
     auto_picks_fa4 = backend == "auto" and device.type == "cuda" and _auto_picks_fa4(device, head_dims)
@@ -331,11 +334,15 @@ def build_attention_metadata(
         for window in windows
         if rules.uses_flex(window, has_documents, device)
     }
-    cu_seqlens = max_seqlen = None
-    if rules.uses_varlen(has_documents, device):
+    max_seqlen = None
+    if not rules.uses_varlen(has_documents, device):
+        cu_seqlens = None
+    else:
         from llm_training.layers.attention.fa4 import document_cu_seqlens
 
-        cu_seqlens, max_seqlen = document_cu_seqlens(document_ids_BS), document_ids_BS.shape[1]
+        if cu_seqlens is None:
+            cu_seqlens = document_cu_seqlens(document_ids_BS)
+        max_seqlen = document_ids_BS.shape[1]
         # The document count N changes from batch to batch: a size compiled code must not specialise on (it only
         # reaches the opaque kernel ops), else each compiled block recompiles at the first batch of another N
         torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)

@@ -60,6 +60,10 @@ def test_build_attention_metadata_for_fa4():
     assert meta.flex_block_masks == {} and meta.cu_seqlens.tolist() == [0, 5, 12, 17, 24] and meta.max_seqlen == 12
     plain = build_attention_metadata("fa4", None, [None, 4], 2, 12, torch.device("cpu"))
     assert plain.cu_seqlens is None and plain.max_seqlen is None
+    # cu_seqlens the caller computed on the host are taken as they are; a backend without varlen drops them
+    host = fa4.document_cu_seqlens(docs)
+    assert build_attention_metadata("fa4", docs, [None], 2, 12, "cpu", cu_seqlens=host).cu_seqlens is host
+    assert build_attention_metadata("sdpa", docs, [None], 2, 12, "cpu", cu_seqlens=host).cu_seqlens is None
 
 
 def test_auto_never_picks_fa4_on_cpu():
