@@ -138,8 +138,9 @@ def fa4_usable(device) -> bool:
 
 def document_cu_seqlens(document_ids_BS: torch.Tensor) -> torch.Tensor:
     """cu_seqlens, int32 [N + 1], of the N contiguous documents of the B*S flattened tokens: a document starts at
-    every row start and wherever the id changes within a row. N is data-dependent: one host sync, so call it
-    once per forward, outside compiled code (build_attention_metadata)."""
+    every row start and wherever the id changes within a row. N is data-dependent: on a device that is a host
+    sync, so call it on the host's ids (the trainer's `forward_loss`), or once per forward outside compiled code
+    (build_attention_metadata)."""
     B, S = document_ids_BS.shape
     flat = document_ids_BS.reshape(-1)
     starts = torch.ones_like(flat, dtype=torch.bool)
