@@ -414,8 +414,8 @@ def forward_loss(
     (`ModelSpec.head_weight`); it is read AFTER the forward, when FSDP2 has gathered it (before, it is a shard).
     `head_grad`: the training step's `HeadGradAccumulator`, marked for this micro-batch.
 
-    Nothing here waits for the device, so the host can queue this micro-batch while the device still runs the last
-    one's backward: the tensors go through pinned memory (a pageable copy waits for the queue), and the documents'
+    The micro-batch's move and metadata do not wait for the device, so the host can queue its forward while the
+    device still runs the last one's backward: the tensors go through pinned memory (a pageable copy waits for the queue), and the documents'
     cu_seqlens, which varlen attention needs, are computed from the host's ids (from the device's, torch.nonzero
     would wait for the queue, once per micro-batch). Measured in the harness's profiled steps on one H100 (proxy_16e,
     session 40): the GPU's idle time per step 32.8 -> 14.0 ms without MTP, 50.0 -> 16.6 ms with MTP + Muon; the
