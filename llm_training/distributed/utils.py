@@ -137,11 +137,11 @@ def world_size() -> int:
 
 
 def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device` without the host waiting for the device's queue. A plain `.to("cuda")` of a
-    host tensor synchronizes the stream (torch copies pageable memory and then waits), which, called while the GPU
-    still runs queued work (the optimizer step, a backward), leaves the GPU idle once it is done until the host
-    launches more: pinned first, the copy is asynchronous (torch's caching host allocator keeps the pinned block
-    until the copy has run)."""
+    """A host tensor (a micro-batch's ids, a step's counts) on `device` without the host waiting for the device's
+    queue. A plain `.to("cuda")` of a host tensor synchronizes the stream (torch copies pageable memory and then
+    waits), which, called while the GPU still runs queued work (the optimizer step, a backward), leaves the GPU idle
+    once it is done until the host launches more: pinned first, the copy is asynchronous (torch's caching host
+    allocator keeps the pinned block until the copy has run)."""
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

@@ -286,8 +286,9 @@ class Trainer:
         if self.triton_prebuild is not None:  # the loss and the optimizer run eagerly: their kernels are announced here
             prebuild_chunk_kernel(self.model_args.vocab_size, getattr(torch, t.mixed_precision_param))
             if self.optimizers.muon is not None:
-                for what, launch in self.optimizers.muon.kernel_launches():  # each launch runs on meta tensors
-                    capture_launches(launch, torch.empty(0, device="meta"), what=what)  # (the device capture checks)
+                # each launch runs on meta tensors, so the device handed to the capture is meta too
+                for what, launch in self.optimizers.muon.kernel_launches():
+                    capture_launches(launch, torch.empty(0, device="meta"), what=what)
 
         self.run_folder = Path(c.run_folder)
         model_config = spec.state_dict_adapter.run_hf_config(
