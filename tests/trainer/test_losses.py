@@ -17,18 +17,19 @@ from llm_training.trainer.losses import (
 )
 
 
-def test_default_chunk_is_whole_row_tiles_within_its_2_gib():
-    """Motif-3's vocabulary: 2^29 / 220160 = 2438 tokens fit; the chunk is 19 whole 128-row tiles (2432), so no
-    part-empty 20th tile and every chunk offset is 16-byte aligned in fp32. A vocabulary too large for 128 tokens
-    keeps what fits."""
-    assert default_chunk_tokens(220160) == 2432
+def test_default_chunk_is_a_power_of_two_within_its_2_gib():
+    """Motif-3's vocabulary: 2^29 / 220160 = 2438 tokens fit; the chunk is the largest power of two of them (2048),
+    so a power-of-two micro-batch splits into equal 2048-token chunks. A vocabulary too large for 128 tokens keeps
+    what fits."""
+    assert default_chunk_tokens(220160) == 2048
+    assert default_chunk_tokens(32000) == 16384  # 16777 fit
     assert default_chunk_tokens(1 << 20) == 512
     assert default_chunk_tokens(3_000_000) == 128  # 178 fit
     assert default_chunk_tokens(5_000_000) == 107
     assert default_chunk_tokens(1 << 31) == 1
 
 
-@pytest.mark.parametrize("tokens", [1, 127, 2432, 2433, 8190, 8192, 16384, 32768, 100_000])
+@pytest.mark.parametrize("tokens", [1, 127, 2048, 2049, 2431, 2432, 2433, 8190, 8192, 16384, 32768, 100_000])
 def test_chunks_are_as_few_as_the_largest_allows_and_about_equal(tokens):
     """The chunk count of `max_chunk`-token chunks, every chunk whole 128-token tiles (the last may end in a partial
     one) and within one tile of the others: no short last chunk, whose GEMMs run far below the others' rate."""
@@ -40,12 +41,15 @@ def test_chunks_are_as_few_as_the_largest_allows_and_about_equal(tokens):
     full = sizes[:-1]
     if full:
         assert max(full) - min(full) <= 128  # whole tiles, one tile apart at most
-        assert min(full) - 128 < sizes[-1] <= max(full)  # the last: its share of tiles, the final one partial
+        # the last: its share of tiles (the fewest; one fewer when every other chunk took an extra one), the final
+        # tile maybe partial
+        assert min(full) - 128 <= -(-sizes[-1] // 128) * 128 <= min(full)
 
 
 def test_chunks_of_a_micro_batch_and_of_untiled_sizes():
     assert chunk_bounds(8192, 2432) == (2048, 4096, 6144, 8192)  # was 3 x 2432 + 896
     assert chunk_bounds(16384, 2432) == (2432, 4864, 7168, 9472, 11776, 14080, 16384)
+    assert chunk_bounds(16384, default_chunk_tokens(220160)) == tuple(range(2048, 16385, 2048))  # an MTP micro-batch
     assert chunk_bounds(13, 4) == (4, 7, 10, 13)  # a max_chunk of no whole tiles: lengths one token apart
     assert chunk_bounds(0, 2432) == ()
 
@@ -53,7 +57,7 @@ def test_chunks_of_a_micro_batch_and_of_untiled_sizes():
 @pytest.mark.gpu  # needs triton, which the GPU suite always has
 def test_every_loss_chunk_launches_the_kernel_the_prebuild_builds(triton_prebuild_stub):
     """`prebuild_chunk_kernel` hands the CE chunk kernel at Motif-3's vocabulary to the Triton prebuild; the launch of
-    a later chunk (labels and token weights sliced at 2 x 2432 tokens into the step's tensors) has the same
+    a later chunk (labels and token weights sliced at 2 x 2048 tokens into the step's tensors) has the same
     specialization, so it adds no build: the one the worker made serves every chunk."""
     from activation.triton_prebuild import capture_launches
 
