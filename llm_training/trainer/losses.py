@@ -57,11 +57,12 @@ _CHUNK_TOKEN_MULTIPLE = 128
 
 def default_chunk_tokens(vocab_size: int) -> int:
     """Tokens per chunk: the largest power of two whose fp32 logits chunk is at most 2 GiB (2048 tokens at
-    V = 220160; at least one 128-token tile). Power-of-two chunks split the power-of-two micro-batches into equal
-    chunks of the head GEMMs' fastest shapes: a 16384-token MTP micro-batch (main + MTP tokens) is 8 x 2048, where
-    2432-token chunks made it 2 x 2432 + 5 x 2304, and 2304-row GEMMs ran the slowest of the three lengths (logits /
-    hidden grad / weight grad 679 / 706 / 587 TF/s against 741 / 793 / 626 for 2048 rows; one H100, session 40's
-    harness profile). Vocabularies so large that not even 128 tokens fit take what fits (at least one token)."""
+    V = 220160; at least one 128-token tile). Power-of-two micro-batches then split into equal chunks: a 16384-token
+    MTP micro-batch (main + MTP tokens) is 8 x 2048, where 2432-token chunks made it 2 x 2432 + 5 x 2304. Alone on one
+    H100 (bench_head_gemms.py, session 41) the head's three GEMMs take 7.59 / 7.75 / 8.79 us per token at 2048 / 2304 /
+    2432 rows; in the harness's MTP step the difference stayed within run-to-run noise (1381.1 / 1387.4 ms against
+    1385.6 / 1384.7), with 0.3 GiB less reserved. Vocabularies so large that not even 128 tokens fit take what fits
+    (at least one token)."""
     fit = max(1, _DEFAULT_CHUNK_ELEMENTS // vocab_size)
     return 1 << (fit.bit_length() - 1) if fit >= _CHUNK_TOKEN_MULTIPLE else fit
 
