@@ -422,9 +422,10 @@ def forward_loss(
     The micro-batch's move and metadata do not wait for the device, so the host can queue its forward while the
     device still runs the last one's backward: the tensors go through pinned memory (a pageable copy waits for the
     queue), and the documents' cu_seqlens, which varlen attention needs, are computed from the host's ids (from the
-    device's, torch.nonzero would wait for the queue, once per micro-batch). Measured in the harness's profiled steps on one H100 (proxy_16e,
-    session 40): the GPU's idle time per step 32.8 -> 14.0 ms without MTP, 50.0 -> 16.6 ms with MTP + Muon; the
-    unprofiled steps, whose host runs faster, moved within noise (849.4 -> 849.0, 1393.4 -> 1391.8 ms)."""
+    device's, torch.nonzero would wait for the queue, once per micro-batch). Measured in the harness's profiled
+    steps on one H100 (proxy_16e, session 40): the GPU's idle time per step 32.8 -> 14.0 ms without MTP, 50.0 -> 16.6
+    ms with MTP + Muon; the unprofiled steps, whose host runs faster, moved within noise (849.4 -> 849.0, 1393.4 ->
+    1391.8 ms)."""
     docs = cpu_batch.document_ids if attention_document_ids is None else attention_document_ids
     cu_seqlens = to_device_async(document_cu_seqlens(docs), device)
     b = cpu_batch.map(lambda x: to_device_async(x, device))
