@@ -13,17 +13,20 @@ which breaks SDPA and varlen on torch 2.11 / 2.13: docs/dependencies.md).
 - packed documents: FA4's varlen kernels over the B*S flattened tokens with the cumulative sequence
   lengths of the documents (`document_cu_seqlens`, built once per forward into the AttentionMetadata); a
   row boundary is a document boundary too. The causal / window mask is then relative to each document.
-- GQA with qk head dim != v head dim (GDLA: 192 / 128): FA4 4.0.0b36's GQA backward rejects that case, so
-  the KV heads are laid out for it (`GQA_LAYOUTS`): "expand_kv" repeats K and V to the query heads (plain
-  MHA), "pad_v" keeps the KV heads and zero-pads V to the qk head dim (output sliced back). Measured on the
-  H200 at the GDLA shape, B2 S4096, fwd+bwd: expand_kv 6.90 ms vs pad_v 7.88 ms (full causal) and 2.50 ms vs
-  2.97 ms (window 128); bench/bench_attention.py re-measures both. Default: expand_kv. The repeated K/V live
-  only inside each kernel call: the custom op `llm_training::fa4_fwd` saves the KV-head K/V for its backward
-  (`fa4_bwd`), which repeats them again (n_kv * (d_qk + d_v) per token saved instead of n_h * (d_qk + d_v): 5x
-  less at GDLA's 80 / 16 heads) and sums dK/dV back over the copies. Measured on the H200 (session 14):
-  motif3_proxy's peak allocated 107.5 -> 105.0 GiB per 64K-token step at the same step time; at 256K tokens a
-  recomputed block keeps 10.7 GB less and the peak, then set by the loss, fell 80.3 -> 77.8 GiB.
-  Equal head dims use FA4's native GQA (pack_gqa) with no copy.
+- GQA with qk head dim != v head dim (GDLA: 192 / 128): FA4's forward kernels take the KV heads as they are
+  (pack_gqa), but its SM90 backward asserts equal head dims for GQA (`flash_bwd_sm90.py`, "GQA backward requires
+  head_dim == head_dim_v", in 4.0.0b36 and still in b40), so the backward gets the KV heads laid out for it
+  (`GQA_LAYOUTS`): "expand_kv" repeats K and V to the query heads (plain MHA) for the backward's kernel call only
+  and sums dK/dV back over the copies; "pad_v" keeps the KV heads and zero-pads V to the qk head dim in both passes
+  (output sliced back). Measured on the H200 at the GDLA shape, B2 S4096, fwd+bwd, both passes then on the
+  repeated K/V: expand_kv 6.90 ms vs pad_v 7.88 ms (full causal) and 2.50 ms vs 2.97 ms (window 128);
+  bench/bench_attention.py re-measures both. Default: expand_kv. The custom op `llm_training::fa4_fwd` saves the
+  KV-head K/V for its backward (`fa4_bwd`; n_kv * (d_qk + d_v) per token saved instead of n_h * (d_qk + d_v): 5x
+  less at GDLA's 80 / 16 heads). Measured on the H200 (session 14): motif3_proxy's peak allocated 107.5 -> 105.0
+  GiB per 64K-token step at the same step time; at 256K tokens a recomputed block keeps 10.7 GB less and the peak,
+  then set by the loss, fell 80.3 -> 77.8 GiB. Until session 42 the forward ran on repeated K/V too (the repeat's
+  copies: 7.4 ms of the 849 ms proxy_16e step without MTP on one H100, session 40's profile).
+  Equal head dims use FA4's native GQA (pack_gqa) in both passes, with no copy.
 - log-sum-exp: `fa4_attention_lse` returns it too (natural log, fp32 [B, Hq, S]), differentiable (FA4's
   backward takes dlse), which is what ring attention merges.
 - max_logits (QK-clip): FA4 returns no row max. The LSE only bounds it (max <= lse <= max + log(#visible
@@ -273,8 +276,9 @@ def _take_kept(slot: int, q: Tensor, v: Tensor) -> Optional[tuple[Tensor, Tensor
 # flash-attn-4's forward and backward kernel functions (`flash_attn.cute.interface`, the ones its own autograd
 # Functions call) as the custom ops `llm_training::fa4_fwd` / `fa4_bwd`: torch.compile treats each as one opaque
 # node, so a compiled block keeps attention inside its graph (no graph break, no dynamo trace into flash_attn.cute's
-# Python), and the kernels run eagerly with the real tensors. K/V arrive with their KV heads; the ops repeat them
-# `n_rep` times for the kernel call only, and the backward sums dK/dV back over the copies (module docstring).
+# Python), and the kernels run eagerly with the real tensors. K/V arrive with their KV heads. The forward kernel
+# takes them as they are (FA4's forward does GQA at any head dims); `n_rep` is for the backward, which repeats them
+# `n_rep` times for its kernel call only and sums dK/dV back over the copies (module docstring).
 # cu_seqlens given: the varlen kernels over flattened [T, H, D] tokens. The window arrives as a CPU int64 scalar
 # tensor (`masks.window_tensor`), read when the op runs: a compiled attention graph then serves full and sliding
 # layers alike, where an int argument would be a constant of the graph, one graph per window. (No `from __future__
@@ -296,9 +300,9 @@ def _fa4_fwd_op(
 
     causal, left, right = _fa4_window(window)
     # a training process waits here for the kernel if the prebuild's side process is building it now
-    with _watched_call("forward", q, k.shape[-2] * n_rep, v.shape[-1], cu_seqlens, causal):
+    with _watched_call("forward", q, k.shape[-2], v.shape[-1], cu_seqlens, causal):
         out, lse = _flash_attn_fwd(
-            q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+            q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
             max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=causal, softcap=0.0,
             window_size_left=left, window_size_right=right, return_lse=True,
         )[:2]  # fmt: skip

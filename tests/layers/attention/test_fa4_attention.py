@@ -266,8 +266,10 @@ def test_fa4_layouts_give_the_emulated_kernel_a_differentiable_case(emulated_fa4
 
 @pytest.mark.parametrize("docs", [False, True])
 def test_expand_kv_saves_the_kv_heads_only_and_differentiates_out_and_lse(emulated_fa4, docs):
-    """expand_kv repeats K/V to the query heads for the kernel call only: what autograd keeps for the backward is
-    the KV-head K/V (never a [.., Hq, D] copy), and the gradients through out and lse match the reference's."""
+    """expand_kv: the forward kernel gets the KV-head K/V as they are (FA4's forward does GQA at unequal head
+    dims) and only the backward's kernel call gets them repeated to the query heads; what autograd keeps for the
+    backward is the KV-head K/V (never a [.., Hq, D] copy), and the gradients through out and lse match the
+    reference's."""
     torch.manual_seed(3)
     B, S, Hq, Hkv = 2, 10, 6, 2
     leaves = [
@@ -275,6 +277,18 @@ def test_expand_kv_saves_the_kv_heads_only_and_differentiates_out_and_lse(emulat
     ]
     doc_ids = _doc_ids(B, S, [6]) if docs else None
     meta = build_attention_metadata("fa4", doc_ids, [None], B, S, "cpu")
+    interface = sys.modules["flash_attn.cute.interface"]
+    kernel_kv_heads = {}  # pass -> (K heads, V heads) the kernel was called with
+
+    def spy(name, kernel):
+        def call(q, k, v, *args, **kwargs):
+            kernel_kv_heads[name] = (k.shape[-2], v.shape[-2])
+            return kernel(q, k, v, *args, **kwargs)
+
+        return call
+
+    interface._flash_attn_fwd = spy("forward", interface._flash_attn_fwd)
+    interface._flash_attn_bwd = spy("backward", interface._flash_attn_bwd)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
         out, lse = fa4.fa4_attention_lse(*leaves, scale=0.3, window=None, metadata=meta, gqa_layout="expand_kv")
@@ -283,6 +297,7 @@ def test_expand_kv_saves_the_kv_heads_only_and_differentiates_out_and_lse(emulat
     assert heads_and_dim.count((Hq, 12)) == 1 and heads_and_dim.count((Hq, 8)) == 1  # q and out: no repeated k, v
     q, k, v = leaves
     got = torch.autograd.grad(out.square().sum() + lse.sin().sum(), leaves)
+    assert kernel_kv_heads == {"forward": (Hkv, Hkv), "backward": (Hq, Hq)}
     ref_out, _ = reference_attention(q, k, v, scale=0.3, window=None, metadata=meta, record_max_logits=False)
     ref_lse = _reference_lse(q, k, 0.3, None, doc_ids)
     want = torch.autograd.grad(ref_out.square().sum() + ref_lse.sin().sum(), leaves)
