@@ -7,8 +7,8 @@ Setup order (the entrypoint calls `setup_distributed` once, after the config is 
     parallel_dims.build_mesh(device.type)                   # once a process group exists
 The trainer receives the device and the ParallelDims (with its mesh); nothing below re-derives them.
 
-Also here: the gradient norm (`grad_norm`) and its clipping (`clip_grads_`) over parameters that live on different
-device meshes (FSDP mesh, expert mesh, replicated), `to_device_async` (a small host tensor to the GPU without
+Also here: the gradient norm (`grad_norm`) over parameters that live on different device meshes (FSDP mesh, expert
+mesh, replicated) and the clipping coefficient it gives (`clip_coefficient`, which the optimizers apply), `to_device_async` (a small host tensor to the GPU without
 waiting for its queue), `all_reduce_` (a no-op without a process group) and `destroy_process_group` (the one way to
 end a group).
 """
@@ -20,7 +20,6 @@ import logging
 import math
 import os
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -162,18 +161,9 @@ def _mesh_key(grad: torch.Tensor):
     return None
 
 
-@dataclass
-class GradNorm:
-    """The global L2 norm of a step's gradients, still on the device (`total`, fp32 0-dim), and the parameters with a
-    gradient grouped by (mesh, placements): what `clip_grads_` scales."""
-
-    total: torch.Tensor
-    groups: list[list[torch.nn.Parameter]]
-
-
-def grad_norm(params: list[torch.nn.Parameter]) -> GradNorm:
-    """The global L2 norm of the gradients of `params`, launched without reading it (the caller reads it with the
-    step's other numbers, in one wait for the device).
+def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The global L2 norm of the gradients of `params` (fp32 0-dim, on the device), launched without reading it (the
+    caller reads it with the step's other numbers, in one wait for the device).
 
     Grads may live on different device meshes (FSDP2's, an expert-parallel mesh) or be plain tensors
     (parameters replicated on every rank, identical after their all-reduce). Each group of grads on the same
@@ -183,26 +173,24 @@ def grad_norm(params: list[torch.nn.Parameter]) -> GradNorm:
     by_mesh: dict = defaultdict(list)
     for p in params:
         if p.grad is not None:
-            by_mesh[_mesh_key(p.grad)].append(p)
+            by_mesh[_mesh_key(p.grad)].append(p.grad)
     if not by_mesh:
-        return GradNorm(torch.zeros(()), [])
+        return torch.zeros(())
     norms = []
-    for ps in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in ps], norm_type=2.0, foreach=True)
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         norms.append(norm.float())
-    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-    return GradNorm(total, list(by_mesh.values()))
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
 
 
-def clip_grads_(norm: GradNorm, norm_value: float, max_norm: float) -> None:
-    """Scale the gradients in place so that their global norm is at most `max_norm` (0: no clipping), given the
-    norm's value read on the host (`norm_value`, from `norm.total`). Per group (foreach kernels cannot mix meshes),
-    and only when the scale is below 1: a norm within max_norm leaves the grads as they are, with no pass over them
-    (torch's `clip_grads_with_norm_` multiplies every grad by its clamped coefficient, 1 included: 8.5 ms of a 930 ms
-    step of bench_vs_torchtitan's proxy_16e on one H100, session 36). Non-finite norms leave the grads untouched."""
-    # torch's coefficient max_norm / (norm + 1e-6), clamped at 1 (clip_grads_with_norm_ recomputes it on the device)
-    if max_norm > 0 and math.isfinite(norm_value) and max_norm / (norm_value + 1e-6) < 1.0:
-        for ps in norm.groups:
-            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, norm.total, foreach=True)
+def clip_coefficient(norm_value: float, max_norm: float) -> float:
+    """The factor that brings gradients of global norm `norm_value` (read on the host) to at most `max_norm`:
+    torch's `max_norm / (norm + 1e-6)`, clamped at 1; 1 when `max_norm` is 0 (no clipping) or the norm is not finite.
+    The optimizers apply it in their own passes over the gradients (`OptimizersContainer.step(grad_scale=)`), so
+    clipping costs no pass of its own: torch's `clip_grads_with_norm_` multiplied every gradient in place, 8.5 ms
+    of the 849 ms proxy_16e step on one H100 (session 40's profile), and by 1 on steps within the norm."""
+    if max_norm > 0 and math.isfinite(norm_value):
+        return min(1.0, max_norm / (norm_value + 1e-6))
+    return 1.0

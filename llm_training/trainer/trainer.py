@@ -47,7 +47,14 @@ from llm_training.distributed.compile import (
     start_compile_workers,
 )
 from llm_training.distributed.context_parallel import shard_batch
-from llm_training.distributed.utils import all_reduce_, clip_grads_, grad_norm, rank, to_device_async, world_size
+from llm_training.distributed.utils import (
+    all_reduce_,
+    clip_coefficient,
+    grad_norm,
+    rank,
+    to_device_async,
+    world_size,
+)
 from llm_training.layers.attention.fa4_prebuild import fa4_attention_kinds, start_fa4_prebuild
 from llm_training.layers.attention.masks import prebuild_max_logits_kernels
 from llm_training.model_spec import StepStat
@@ -450,7 +457,7 @@ class Trainer:
         # step while the GPU runs the optimizer (a read after it would leave the GPU idle through the host's step
         # boundary once the optimizer is done).
         host_sums = sums.tolist()
-        grad_norm_value = float(norm.total)
+        grad_norm_value = float(norm)
         host_stats = {name: value.cpu() for name, value in global_stats.items()}
         loss_value = host_sums[0]
         self._stop_requested = host_sums[5] > 0
@@ -472,8 +479,7 @@ class Trainer:
             model_metrics = self.hooks.after_step(host_stats, applied=False)
         else:
             self.nonfinite_in_a_row = 0
-            clip_grads_(norm, grad_norm_value, t.max_norm)
-            self.optimizers.step()
+            self.optimizers.step(grad_scale=clip_coefficient(grad_norm_value, t.max_norm))
             model_metrics = self.hooks.after_step(host_stats, applied=True)
             self.lr_scheduler.step()
             self.optimizers.zero_grad()

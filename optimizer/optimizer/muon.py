@@ -148,15 +148,20 @@ def _fused_kernels(strided: torch.Tensor, *contiguous: torch.Tensor):
     return kernels if kernels is not None and kernels.supported(strided, *contiguous) else None
 
 
-def _momentum_and_nesterov(out: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
-    """M <- G + mu M (in place); out <- G + mu M (Nesterov, with M as stored) or M, in out's dtype, fp32 arithmetic,
-    without an intermediate tensor. All three [count, R, K] (out possibly a transposed view): on CUDA one Triton
-    kernel (`muon_kernels`), elsewhere two torch kernels."""
+def _momentum_and_nesterov(
+    out: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict, grad_scale: float
+) -> None:
+    """With G = grad_scale * grad: M <- G + mu M (in place); out <- G + mu M (Nesterov, with M as stored) or M, in
+    out's dtype, fp32 arithmetic, without an intermediate tensor on CUDA. All three [count, R, K] (out possibly a
+    transposed view): on CUDA one Triton kernel (`muon_kernels`), elsewhere torch kernels (and a scaled copy of the
+    gradient when grad_scale != 1)."""
     mu = group["momentum"]
     kernels = _fused_kernels(out, grad, buf)
     if kernels is not None:
-        kernels.momentum_nesterov_(out, grad, buf, mu, group["nesterov"])
+        kernels.momentum_nesterov_(out, grad, buf, mu, group["nesterov"], grad_scale)
         return
+    if grad_scale != 1.0:
+        grad = grad * grad_scale
     torch.add(grad, buf, alpha=mu, out=buf)
     if group["nesterov"]:
         torch.add(grad, buf, alpha=mu, out=out)
@@ -336,7 +341,10 @@ class Muon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, grad_scale: float = 1.0):
+        """One Muon step over the parameters with a gradient; every gradient counts multiplied by `grad_scale` (the
+        trainer's clipping coefficient: applied in the momentum pass, so the gradients themselves stay as they
+        are)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -362,31 +370,31 @@ class Muon(torch.optim.Optimizer):
                     key = (id(p.device_mesh), mesh_dims[0])
                     sharded.setdefault(key, []).append(_Entry(p, group, split, rows, cols))
         # start every sharded pipeline (its first all-to-all is in flight during the local NS), then finish them
-        pipelines = [self._sharded_pipeline(entries) for entries in sharded.values()]
+        pipelines = [self._sharded_pipeline(entries, grad_scale) for entries in sharded.values()]
         for pipeline in pipelines:
             next(pipeline)
         for entries in buckets.values():
             for batch in _batches(entries):
-                self._step_local(batch)
+                self._step_local(batch, grad_scale)
         for pipeline in pipelines:
             for _ in pipeline:
                 pass
         return loss
 
-    def _step_local(self, entries: list[_Entry]) -> None:
+    def _step_local(self, entries: list[_Entry], grad_scale: float) -> None:
         """One bucket batch: momentum + Nesterov inputs into the stack, one NS (update scale folded in), one
         decay + update kernel per parameter."""
         stack = self._new_stack(entries, local(entries[0].param).device)
         for e in entries:
             shape = (e.count, e.rows, e.cols)
             grad, buf = local(e.param.grad).reshape(shape), local(self.state[e.param]["momentum_buffer"]).view(shape)
-            _momentum_and_nesterov(e.slots(stack), grad, buf, e.group)
+            _momentum_and_nesterov(e.slots(stack), grad, buf, e.group, grad_scale)
         delta = self._update_stack(stack, entries)
         for e in entries:
             _decay_and_update(local(e.param).view(e.count, e.rows, e.cols), e.slots(delta), e.group)
 
     # ------------------------------------------------------------------ distributed (owner) path
-    def _sharded_pipeline(self, entries: list[_Entry]):
+    def _sharded_pipeline(self, entries: list[_Entry], grad_scale: float):
         """Owner pipeline for row-sharded 2-D matrices of one mesh group (see module doc). A generator: it
         pauses once, right after issuing the first gather, so the caller can overlap other work."""
         p0 = entries[0].param
@@ -435,7 +443,7 @@ class Muon(torch.optim.Optimizer):
                 for e in (e for e in chunk if e.owner == dst):
                     g, buf = local(e.param.grad), local(self.state[e.param]["momentum_buffer"])
                     slot = send[offset : offset + g.numel()].view(1, *g.shape)
-                    _momentum_and_nesterov(slot, g.unsqueeze(0), buf.unsqueeze(0), e.group)
+                    _momentum_and_nesterov(slot, g.unsqueeze(0), buf.unsqueeze(0), e.group, grad_scale)
                     offset += g.numel()
             return all_to_all(send, in_split, out_split)
 

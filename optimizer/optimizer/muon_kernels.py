@@ -2,9 +2,10 @@
 
 Per parameter seen as `count` matrices [R, K] (row-major, contiguous):
 
-  * `momentum_nesterov_(out, grad, buf, mu, nesterov)`: M <- G + mu M (stored in M's dtype), then
-    out <- G + mu M (Nesterov, with the stored M) or M, in out's dtype: ONE pass that reads G and M once
-    (fp32 arithmetic), where torch needs two kernels that read both twice.
+  * `momentum_nesterov_(out, grad, buf, mu, nesterov, grad_scale)`: with G = grad_scale * grad (the step's
+    gradient-clipping coefficient, applied here instead of in a pass of its own), M <- G + mu M (stored in M's
+    dtype), then out <- G + mu M (Nesterov, with the stored M) or M, in out's dtype: ONE pass that reads G and M
+    once (fp32 arithmetic), where torch needs two kernels that read both twice.
   * `decay_update_(w, delta, decay)`: W <- delta + decay W (fp32 arithmetic), one pass.
 
 `out` and `delta` are the parameter's slots in Muon's NS stack: the same [count, R, K] layout, or, for a tall
@@ -51,11 +52,11 @@ def _tile(R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _momentum_nesterov_kernel(
-    grad_ptr, buf_ptr, out_ptr, R, K, mu,
+    grad_ptr, buf_ptr, out_ptr, R, K, mu, grad_scale,
     NESTEROV: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     matrix, row_major, col_major, mask = _tile(R, K, BLOCK_R, BLOCK_K)
-    g = tl.load(grad_ptr + matrix + row_major, mask=mask).to(tl.float32)
+    g = tl.load(grad_ptr + matrix + row_major, mask=mask).to(tl.float32) * grad_scale
     m = tl.load(buf_ptr + matrix + row_major, mask=mask).to(tl.float32)
     m_stored = (g + mu * m).to(buf_ptr.dtype.element_ty)
     tl.store(buf_ptr + matrix + row_major, m_stored, mask=mask)
@@ -103,14 +104,16 @@ def _grid(shape: tuple[int, int, int]) -> tuple[int, int]:
     return -(-R // _BLOCK_R) * -(-K // _BLOCK_K), count
 
 
-def momentum_nesterov_(out: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, mu: float, nesterov: bool) -> None:
-    """buf <- grad + mu buf; out <- grad + mu buf (nesterov) or buf. grad and buf contiguous [count, R, K]; out that
-    or a transposed view (`supported(out, grad, buf)`)."""
+def momentum_nesterov_(
+    out: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, mu: float, nesterov: bool, grad_scale: float = 1.0
+) -> None:
+    """With g = grad_scale * grad: buf <- g + mu buf; out <- g + mu buf (nesterov) or buf. grad and buf contiguous
+    [count, R, K]; out that or a transposed view (`supported(out, grad, buf)`)."""
     shape = tuple(out.shape)
     if 0 in shape:
         return
     _momentum_nesterov_kernel[_grid(shape)](
-        grad, buf, out, shape[1], shape[2], float(mu),
+        grad, buf, out, shape[1], shape[2], float(mu), float(grad_scale),
         NESTEROV=bool(nesterov), TRANSPOSED=_transposed(out, shape), BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K,
         num_warps=_NUM_WARPS,
     )  # fmt: skip

@@ -39,9 +39,21 @@ class OptimizersContainer:
         self.grouping = grouping
         self.optimizers: list[torch.optim.Optimizer] = [o for o in (muon, adamw) if o is not None]
 
-    def step(self) -> None:
-        for opt in self.optimizers:
-            opt.step()
+    def step(self, grad_scale: float = 1.0) -> None:
+        """Step both optimizers, every gradient counted multiplied by `grad_scale` (the trainer's clipping
+        coefficient, at most 1). Each optimizer applies it in its own pass over the gradients, so clipping costs no
+        pass of its own: Muon in its momentum kernel, the fused AdamW as its `grad_scale` divisor (torch.optim's
+        hook for GradScaler's unscaling; the fused kernel divides each gradient by it, in place)."""
+        if self.muon is not None:
+            self.muon.step(grad_scale=grad_scale)
+        if self.adamw is not None:
+            if grad_scale != 1.0:
+                device = self.adamw.param_groups[0]["params"][0].device
+                self.adamw.grad_scale = torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=device)
+            try:
+                self.adamw.step()
+            finally:
+                self.adamw.__dict__.pop("grad_scale", None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
@@ -105,10 +117,10 @@ def init_adamw_state(adamw: torch.optim.Optimizer) -> None:
             state["step"] = 0
 
 
-def _adamw(groups: list[dict], lr: float, betas, eps: float, device: torch.device) -> torch.optim.AdamW:
-    # fused kernel on CUDA (DTensor-aware), multi-tensor foreach elsewhere
-    impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, **impl)
+def _adamw(groups: list[dict], lr: float, betas, eps: float) -> torch.optim.AdamW:
+    # torch's fused kernel on every device (CUDA and CPU, DTensor-aware): one pass per tensor list, and the one
+    # implementation that takes the clipping coefficient as its grad_scale (`OptimizersContainer.step`)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=True)
 
 
 def build_optimizers(
@@ -161,6 +173,5 @@ def build_optimizers(
                 adamw_groups.append({"params": params, "weight_decay": wd})
     adamw = None
     if adamw_groups:
-        device = adamw_groups[0]["params"][0].device
-        adamw = _adamw(adamw_groups, lr, adamw_betas, adamw_eps, device)
+        adamw = _adamw(adamw_groups, lr, adamw_betas, adamw_eps)
     return OptimizersContainer(model, muon, adamw, grouping)

@@ -37,16 +37,20 @@ def _stack_slots(shape, transposed, dtype):
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("buf_dtype,out_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_momentum_nesterov_matches_torch(shape, transposed, buf_dtype, out_dtype, nesterov):
+@pytest.mark.parametrize("grad_scale", [1.0, 0.37])  # 0.37: a clipping step's coefficient, applied in the kernel
+def test_momentum_nesterov_matches_torch(shape, transposed, buf_dtype, out_dtype, nesterov, grad_scale):
     gen = torch.Generator("cuda").manual_seed(0)
     grad = torch.randn(shape, device="cuda", generator=gen)
     buf = torch.randn(shape, device="cuda", generator=gen).to(buf_dtype)
     out = _stack_slots(shape, transposed, out_dtype)
     assert muon_kernels.supported(out, grad, buf)
-    ref_buf = torch.add(grad, buf, alpha=0.95).to(buf_dtype)  # what muon.py runs without the kernels
-    muon_kernels.momentum_nesterov_(out, grad, buf, 0.95, nesterov)
+    grad_before = grad.clone()
+    scaled = grad * grad_scale  # fp32, as the kernel scales it before the FMA
+    ref_buf = torch.add(scaled, buf, alpha=0.95).to(buf_dtype)  # what muon.py runs without the kernels
+    muon_kernels.momentum_nesterov_(out, grad, buf, 0.95, nesterov, grad_scale)
+    assert torch.equal(grad, grad_before)  # the gradient itself is not scaled
     torch.testing.assert_close(buf, ref_buf, rtol=_rtol(buf_dtype), atol=ATOL)
-    ref_out = torch.add(grad, buf, alpha=0.95) if nesterov else buf  # from the momentum as the kernel stored it
+    ref_out = torch.add(scaled, buf, alpha=0.95) if nesterov else buf  # from the momentum as the kernel stored it
     torch.testing.assert_close(out, ref_out.to(out_dtype), rtol=_rtol(out_dtype), atol=ATOL)  # NaN-filled: all written
 
 
@@ -131,6 +135,6 @@ def test_the_prebuild_builds_what_the_step_launches(triton_prebuild_stub):
     assert all(seconds > 0 for _name, seconds in pb.wait(timeout=300)) and events == []
     for p in params:
         p.grad = torch.randn_like(p)
-    opt.step()
+    opt.step(grad_scale=0.5)  # a clipping step: the coefficient is a runtime float, no specialisation of its own
     assert events and "build" not in events, events  # every launch found the worker's build in the cache
     assert pb.unpredicted == []

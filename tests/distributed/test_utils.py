@@ -1,6 +1,6 @@
-"""distributed.utils: gradient clipping over parameters on different device meshes (an FSDP-like 1-D mesh, a
-second 2-D mesh such as an expert mesh, and plain replicated tensors) on 2 gloo ranks equals clipping the full
-gradients in one process; device resolution names the key when CUDA is missing; the CUDA allocator's settings
+"""distributed.utils: the gradient norm over parameters on different device meshes (an FSDP-like 1-D mesh, a
+second 2-D mesh such as an expert mesh, and plain replicated tensors) on 2 gloo ranks, and the clipping coefficient
+from it, equal torch's clipping of the full gradients in one process; device resolution names the key when CUDA is missing; the CUDA allocator's settings
 reach the environment before CUDA starts, and the environment's own win."""
 
 import os
@@ -14,7 +14,7 @@ from llm_training.config import ConfigError
 from llm_training.distributed.utils import (
     ALLOC_CONF_VARIABLES,
     apply_cuda_allocator_settings,
-    clip_grads_,
+    clip_coefficient,
     destroy_process_group,
     grad_norm,
     resolve_device,
@@ -28,10 +28,11 @@ FULL_GRADS = {  # what the three kinds of parameters' full gradients are
 
 
 def _clip(params, max_norm) -> float:
-    """The trainer's use: the norm launched, read once on the host, then the clipping."""
-    norm = grad_norm(params)
-    value = float(norm.total)
-    clip_grads_(norm, value, max_norm)
+    """The trainer's use: the norm launched, read once on the host, the coefficient the optimizers apply, here
+    applied to the gradients; returns the norm."""
+    value = float(grad_norm(params))
+    for p in params:
+        p.grad.mul_(clip_coefficient(value, max_norm))
     return value
 
 
@@ -87,26 +88,22 @@ def test_clip_grad_norm_over_two_meshes_and_plain_params(free_port, max_norm):
             torch.testing.assert_close(g, want[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
-def test_a_norm_within_max_norm_leaves_the_grads_untouched():
-    """No multiply when the clamped coefficient is 1 (torch's clip_grads_with_norm_ would multiply every grad by 1);
-    one just above max_norm is scaled as torch scales it."""
-    from torch.profiler import ProfilerActivity, profile
-
+def test_clip_coefficient_is_torchs_clamped_factor():
+    """torch's max_norm / (norm + 1e-6) when the norm exceeds max_norm; exactly 1 within it (torch's
+    clip_grads_with_norm_ would multiply every grad by 1), when clipping is off (max_norm 0) and for a non-finite
+    norm (the trainer skips that step)."""
+    assert clip_coefficient(2.0, 1.0) == 1.0 / (2.0 + 1e-6)
     params = [torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(5))]
     for p, g in zip(params, (torch.full((4, 3), 0.1), torch.full((5,), -0.2))):
         p.grad = g
-    before = [p.grad.clone() for p in params]
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        norm = _clip(params, max_norm=1.0)
-    assert norm == pytest.approx(float(torch.cat([b.flatten() for b in before]).norm()))
-    assert not [e.name for e in prof.events() if "mul" in e.name]
-    assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
-    reference = [torch.nn.Parameter(torch.zeros_like(b)) for b in before]
-    for r, b in zip(reference, before):
-        r.grad = b.clone()
-    torch.nn.utils.clip_grad_norm_(reference, max_norm=norm * 0.99)
-    _clip(params, max_norm=norm * 0.99)
-    assert all(torch.equal(p.grad, r.grad) for p, r in zip(params, reference))
+    norm = float(grad_norm(params))
+    assert norm == pytest.approx(float(torch.cat([p.grad.flatten() for p in params]).norm()))
+    torch.nn.utils.clip_grad_norm_(params, max_norm=norm * 0.99)
+    assert float(grad_norm(params)) == pytest.approx(norm * clip_coefficient(norm, norm * 0.99), rel=1e-6)
+    assert clip_coefficient(norm, 1.0) == 1.0  # norm ~0.58: within max_norm
+    assert clip_coefficient(5.0, 0.0) == 1.0
+    assert clip_coefficient(float("inf"), 1.0) == 1.0 and clip_coefficient(float("nan"), 1.0) == 1.0
+    assert grad_norm([torch.nn.Parameter(torch.zeros(2))]).item() == 0.0  # no gradient at all
 
 
 def test_resolve_device_cuda_without_gpu_names_the_key(monkeypatch):
