@@ -117,10 +117,13 @@ def init_adamw_state(adamw: torch.optim.Optimizer) -> None:
             state["step"] = 0
 
 
-def _adamw(groups: list[dict], lr: float, betas, eps: float) -> torch.optim.AdamW:
+def _adamw(groups: list[dict], lr: float, betas, eps: float, device: torch.device) -> torch.optim.AdamW:
     # torch's fused kernel on every device (CUDA and CPU, DTensor-aware): one pass per tensor list, and the one
-    # implementation that takes the clipping coefficient as its grad_scale (`OptimizersContainer.step`)
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=True)
+    # implementation that takes the clipping coefficient as its grad_scale (`OptimizersContainer.step`). Except on
+    # the meta device (llm_training's dry run builds the optimizers there to count their state), which torch's
+    # fused check refuses; a meta optimizer never steps.
+    impl = {} if device.type == "meta" else {"fused": True}
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, **impl)
 
 
 def build_optimizers(
@@ -173,5 +176,5 @@ def build_optimizers(
                 adamw_groups.append({"params": params, "weight_decay": wd})
     adamw = None
     if adamw_groups:
-        adamw = _adamw(adamw_groups, lr, adamw_betas, adamw_eps)
+        adamw = _adamw(adamw_groups, lr, adamw_betas, adamw_eps, adamw_groups[0]["params"][0].device)
     return OptimizersContainer(model, muon, adamw, grouping)
