@@ -8,9 +8,9 @@ Setup order (the entrypoint calls `setup_distributed` once, after the config is 
 The trainer receives the device and the ParallelDims (with its mesh); nothing below re-derives them.
 
 Also here: the gradient norm (`grad_norm`) over parameters that live on different device meshes (FSDP mesh, expert
-mesh, replicated) and the clipping coefficient it gives (`clip_coefficient`, which the optimizers apply), `to_device_async` (a small host tensor to the GPU without
-waiting for its queue), `all_reduce_` (a no-op without a process group) and `destroy_process_group` (the one way to
-end a group).
+mesh, replicated) and the clipping coefficient it gives (`clip_coefficient`, which the optimizers apply),
+`to_device_async` (a small host tensor to the GPU without waiting for its queue), `all_reduce_` (a no-op without a
+process group) and `destroy_process_group` (the one way to end a group).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""distributed.utils: the gradient norm over parameters on different device meshes (an FSDP-like 1-D mesh, a
-second 2-D mesh such as an expert mesh, and plain replicated tensors) on 2 gloo ranks, and the clipping coefficient
-from it, equal torch's clipping of the full gradients in one process; device resolution names the key when CUDA is missing; the CUDA allocator's settings
-reach the environment before CUDA starts, and the environment's own win."""
+"""distributed.utils: the gradient norm over parameters on different device meshes (an FSDP-like 1-D mesh, a second 2-D
+mesh such as an expert mesh, and plain replicated tensors) on 2 gloo ranks, and the clipping coefficient from it, equal
+torch's clipping of the full gradients in one process; device resolution names the key when CUDA is missing; the CUDA
+allocator's settings reach the environment before CUDA starts, and the environment's own win."""
 
 import os
 
