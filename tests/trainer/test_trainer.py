@@ -251,8 +251,8 @@ def test_cuda_step_reads_nothing_from_the_device_after_the_optimizer_launch(make
         trainer = Trainer(make_config(*opts), dims, device)
         launches, real_optimizer_step, real_train_step = [], trainer.optimizers.step, trainer.train_step
 
-        def optimizer_step_then_no_reads():
-            real_optimizer_step()
+        def optimizer_step_then_no_reads(grad_scale):
+            real_optimizer_step(grad_scale=grad_scale)
             launches.append(trainer.train_state.step)
             torch.cuda.set_sync_debug_mode("error")
 

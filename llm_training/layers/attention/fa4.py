@@ -24,8 +24,11 @@ which breaks SDPA and varlen on torch 2.11 / 2.13: docs/dependencies.md).
   KV-head K/V for its backward (`fa4_bwd`; n_kv * (d_qk + d_v) per token saved instead of n_h * (d_qk + d_v): 5x
   less at GDLA's 80 / 16 heads). Measured on the H200 (session 14): motif3_proxy's peak allocated 107.5 -> 105.0
   GiB per 64K-token step at the same step time; at 256K tokens a recomputed block keeps 10.7 GB less and the peak,
-  then set by the loss, fell 80.3 -> 77.8 GiB. Until session 42 the forward ran on repeated K/V too (the repeat's
-  copies: 7.4 ms of the 849 ms proxy_16e step without MTP on one H100, session 40's profile).
+  then set by the loss, fell 80.3 -> 77.8 GiB. Until session 42 the forward ran on repeated K/V too: its copies
+  wrote n_h * (d_qk + d_v) bf16 per token (420 MB per call at B2 S4096) and took 7.4 ms of the 849 ms proxy_16e
+  step without MTP (one H100, session 40's profile). Measured fwd+bwd at B2 S4096 on one H100 (bench_attention.py,
+  session 42): full causal 7.35 and 7.45 ms against 7.46 before, window 3.01 and 3.32 against 3.27, i.e. within
+  the runs' spread, so no time saving is claimed for it; it takes the copies and their transient memory away.
   Equal head dims use FA4's native GQA (pack_gqa) in both passes, with no copy.
 - log-sum-exp: `fa4_attention_lse` returns it too (natural log, fp32 [B, Hq, S]), differentiable (FA4's
   backward takes dlse), which is what ring attention merges.
