@@ -92,7 +92,7 @@ def test_clip_coefficient_is_torchs_clamped_factor():
     """torch's max_norm / (norm + 1e-6) when the norm exceeds max_norm; exactly 1 within it (torch's
     clip_grads_with_norm_ would multiply every grad by 1), when clipping is off (max_norm 0) and for a non-finite
     norm (the trainer skips that step)."""
-    assert clip_coefficient(2.0, 1.0) == 1.0 / (2.0 + 1e-6)
+    assert clip_coefficient(2.0, 1.0) == pytest.approx(0.499999750000125, rel=1e-15)  # 1 / 2.000001, as a literal
     params = [torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(5))]
     for p, g in zip(params, (torch.full((4, 3), 0.1), torch.full((5,), -0.2))):
         p.grad = g
